@@ -1,0 +1,115 @@
+"""Multi-process test harness: N gloo ranks on this machine, one spawn per grid.
+
+Spawning is the slow part (each rank imports torch), so a test spawns once per
+world size and runs a whole grid of sub-configurations inside it:
+
+    def _grid(rank, world):            # module level, so spawn can pickle it
+        run_cases({f"units={u}": partial(_check, u) for u in UNITS})
+
+    @pytest.mark.parametrize("world", [1, 2, 3, 4])
+    def test_something(world):
+        spawn(world, _grid)
+
+``spawn`` raises with the failing rank's traceback (every failing rank's, in
+rank order), and kills all ranks after ``timeout`` seconds or as soon as one rank
+dies, so a rank blocked in a collective never hangs the suite.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+
+DEFAULT_TIMEOUT = 180.0
+
+
+def _worker(rank, world, init_file, fn, args, queue):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    try:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)
+        dist.init_process_group(
+            "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world
+        )
+        try:
+            fn(rank, world, *args)
+        finally:
+            dist.destroy_process_group()
+        queue.put((rank, None))
+    except BaseException:  # report everything, including assertion errors
+        queue.put((rank, traceback.format_exc()))
+
+
+def spawn(world: int, fn: Callable, *args, timeout: float = DEFAULT_TIMEOUT) -> None:
+    """Run ``fn(rank, world, *args)`` on ``world`` gloo ranks; raise if any rank fails.
+
+    Args:
+        world: number of ranks.
+        fn: a module-level function (it is pickled by name into each rank).
+        *args: picklable arguments passed after ``rank, world``.
+        timeout: seconds before every rank is killed and the test fails.
+    """
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file = os.path.join(tmp, "rendezvous")
+        procs = [
+            ctx.Process(target=_worker, args=(r, world, init_file, fn, args, queue), daemon=True)
+            for r in range(world)
+        ]
+        for p in procs:
+            p.start()
+        results: dict[int, str | None] = {}
+        deadline = time.monotonic() + timeout
+        try:
+            while len(results) < world:
+                try:
+                    rank, err = queue.get(timeout=0.5)
+                    results[rank] = err
+                    if err is not None:
+                        # give the other ranks a moment to report their own errors
+                        deadline = min(deadline, time.monotonic() + 5)
+                except Exception:  # queue.Empty
+                    pass
+                dead = [
+                    r
+                    for r, p in enumerate(procs)
+                    if p.exitcode not in (None, 0) and r not in results
+                ]
+                for r in dead:
+                    results[r] = f"rank {r} died with exit code {procs[r].exitcode}"
+                if time.monotonic() > deadline:
+                    for r in range(world):
+                        results.setdefault(r, f"rank {r} timed out after {timeout:.0f}s")
+                    break
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+                p.join(timeout=10)
+    failures = [f"--- rank {r} ---\n{err}" for r, err in sorted(results.items()) if err]
+    if failures:
+        raise AssertionError(f"{len(failures)} of {world} ranks failed:\n" + "\n".join(failures))
+
+
+def run_cases(cases: dict[str, Callable[[], None]]) -> None:
+    """Run every case (inside one rank) and raise one error naming all that failed.
+
+    Every rank runs every case in the same order, so collectives stay matched; a
+    case that fails on one rank only can leave the others blocked, which the
+    ``spawn`` timeout then reports.
+    """
+    failed = []
+    for name, case in cases.items():
+        try:
+            case()
+        except Exception:
+            failed.append(f"[{name}]\n{traceback.format_exc()}")
+    if failed:
+        raise AssertionError(f"{len(failed)} of {len(cases)} cases failed:\n" + "\n".join(failed))
