@@ -1,0 +1,93 @@
+"""Small trainable configs (dense and MoE, ``tiny`` and ``small``), registered in the catalogue.
+
+Dims are awkward on purpose so that block-aware sharding meets uneven cases: vocab 1001
+(the byte-level data uses ids 0..255; the rest are simply never seen), hidden 96,
+3 heads over 1 kv head, FFN widths that are not powers of two, 6 experts with top-2.
+
+=============  =====  ====  ======  =====  ======  =========================
+name           dim    blks  heads   ffn    E x F   params
+=============  =====  ====  ======  =====  ======  =========================
+llama-tiny     96     2     3 / 1   260    -       see ``num_params``
+llama-small    192    4     6 / 2   516    -
+moe-tiny       96     2     3 / 1   260    6 x 44  block 0 dense, block 1 MoE
+moe-small      192    4     6 / 2   516    6 x 88  + 1 shared expert
+=============  =====  ====  ======  =====  ======  =========================
+
+``llama-tiny-tied`` is ``llama-tiny`` with the output head tied to the embedding.
+Importing this module adds the configs to ``catalogue.CATALOGUE`` (``raggedfsdp.models``
+imports it), so ``get_config("llama-tiny")`` and ``--model llama-tiny`` find them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from raggedfsdp.models.catalogue import CATALOGUE, TransformerConfig
+
+__all__ = ["SMALL_CONFIGS"]
+
+_SOURCE = "raggedfsdp.models.small: trains on 2 CPU cores"
+_VOCAB = 1001
+
+_LLAMA_TINY = TransformerConfig(
+    name="llama-tiny",
+    source=_SOURCE,
+    vocab_size=_VOCAB,
+    dim=96,
+    n_layers=2,
+    n_heads=3,
+    n_kv_heads=1,
+    ffn_dim=260,
+)
+_LLAMA_SMALL = TransformerConfig(
+    name="llama-small",
+    source=_SOURCE,
+    vocab_size=_VOCAB,
+    dim=192,
+    n_layers=4,
+    n_heads=6,
+    n_kv_heads=2,
+    ffn_dim=516,
+)
+_MOE_TINY = TransformerConfig(
+    name="moe-tiny",
+    source=_SOURCE,
+    vocab_size=_VOCAB,
+    dim=96,
+    n_layers=2,
+    n_heads=3,
+    n_kv_heads=1,
+    ffn_dim=260,
+    n_experts=6,
+    moe_ffn_dim=44,
+    top_k=2,
+    n_dense_layers=1,
+)
+_MOE_SMALL = TransformerConfig(
+    name="moe-small",
+    source=_SOURCE,
+    vocab_size=_VOCAB,
+    dim=192,
+    n_layers=4,
+    n_heads=6,
+    n_kv_heads=2,
+    ffn_dim=516,
+    n_experts=6,
+    moe_ffn_dim=88,
+    top_k=2,
+    n_shared_experts=1,
+    n_dense_layers=1,
+)
+
+SMALL_CONFIGS: dict[str, TransformerConfig] = {
+    c.name: c
+    for c in (
+        _LLAMA_TINY,
+        dataclasses.replace(_LLAMA_TINY, name="llama-tiny-tied", tie_embeddings=True),
+        _LLAMA_SMALL,
+        _MOE_TINY,
+        _MOE_SMALL,
+    )
+}
+
+CATALOGUE.update(SMALL_CONFIGS)

@@ -1,0 +1,410 @@
+"""Trainable LLaMA-style and MoE transformers built from a catalogue ``TransformerConfig``.
+
+The modules follow torchtitan's layout, so ``named_parameters()`` gives exactly the FQNs
+and shapes that ``catalogue.param_groups(config)`` lists (a unit test checks it)::
+
+    tok_embeddings                      Embedding(vocab, dim)
+    layers.<i>                          TransformerBlock (one fully_shard group each)
+      attention_norm, ffn_norm          RMSNorm(dim)
+      attention.{wq, wk, wv, wo}        GQA with rotary position embeddings
+      feed_forward.{w1, w2, w3}         dense SwiGLU        (a dense block)
+      moe.router.gate                   Linear(dim, E)      (an MoE block)
+      moe.experts.{w1, w2, w3}          stacked [E, F, dim], [E, dim, F], [E, F, dim]
+      moe.shared_experts.{w1, w2, w3}   always-on SwiGLU    (if n_shared_experts)
+    norm, output                        RMSNorm(dim), Linear(dim, vocab) (or tied)
+
+Usage, torchtitan style::
+
+    with torch.device("meta"):
+        model = Transformer(config)
+    for block in model.layers:
+        fully_shard(block)
+    fully_shard(model)
+    model.to_empty(device="cpu")
+    model.init_weights(seed=0)
+
+[Note: deterministic init]
+``init_weights(seed)`` draws every parameter's *full* value from its own CPU generator
+seeded by ``(seed, fqn)``, then writes the rank's part of it. So the values do not
+depend on module construction order, on the global RNG, on the device the model was
+built on, or on how (or whether) the parameters are sharded: building on CPU with a
+seed, or on ``meta`` then ``to_empty`` + ``init_weights`` with the same seed, or
+sharding with any world size, gives the same model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from raggedfsdp.models.catalogue import TransformerConfig
+
+__all__ = ["Transformer", "TransformerBlock", "Attention", "FeedForward", "MoE", "lm_loss"]
+
+
+def _check_supported(c: TransformerConfig) -> None:
+    """Raise for configs these modules cannot build (valid in the catalogue, not trainable)."""
+    unsupported = [
+        ("attention='mla'", c.attention == "mla"),
+        ("attn_sinks=True", c.attn_sinks),
+        ("fused_gate_up=True", c.fused_gate_up),
+        ("expert_bias=True", c.expert_bias),
+    ]
+    for what, bad in unsupported:
+        if bad:
+            raise NotImplementedError(
+                f"Transformer: config {c.name!r} has {what}, which the trainable modules do "
+                f"not implement; its shapes can still be planned through the catalogue"
+            )
+    if c.n_heads % c.n_kv_heads:
+        raise ValueError(
+            f"Transformer: config {c.name!r}: n_heads ({c.n_heads}) must be a multiple of "
+            f"n_kv_heads ({c.n_kv_heads}) for grouped-query attention"
+        )
+    assert c.head_dim is not None
+    if c.head_dim % 2:
+        raise ValueError(
+            f"Transformer: config {c.name!r}: head_dim must be even for rotary embeddings, "
+            f"got {c.head_dim}"
+        )
+    if c.n_experts and not 1 <= c.top_k <= c.n_experts:
+        raise ValueError(
+            f"Transformer: config {c.name!r}: top_k must be in [1, n_experts={c.n_experts}], "
+            f"got {c.top_k}"
+        )
+    if any(not c.is_moe_layer(i) for i in range(c.n_layers)) and c.ffn_dim < 1:
+        raise ValueError(f"Transformer: config {c.name!r} has dense blocks but ffn_dim < 1")
+
+
+# --- building blocks ---------------------------------------------------------------------
+class RMSNorm(nn.Module):
+    """Root-mean-square norm with a learned scale (no bias), computed in fp32."""
+
+    def __init__(self, dim: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return xf.type_as(x) * self.weight
+
+
+def rotary_tables(seq_len: int, head_dim: int, theta: float, device=None) -> Tensor:
+    """Rotary angles as ``(seq_len, head_dim // 2, 2)``: ``[..., 0]`` cos, ``[..., 1]`` sin."""
+    inv_freq = 1.0 / theta ** (
+        torch.arange(0, head_dim, 2, device=device, dtype=torch.float64) / head_dim
+    )
+    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float64), inv_freq)
+    return torch.stack((angles.cos(), angles.sin()), dim=-1).float()
+
+
+def apply_rotary(x: Tensor, rope: Tensor) -> Tensor:
+    """Rotate consecutive pairs of ``x`` (B, S, heads, hd) by ``rope`` (>= S, hd/2, 2)."""
+    B, S, H, hd = x.shape
+    xp = x.float().reshape(B, S, H, hd // 2, 2)
+    cos = rope[:S, None, :, 0]  # (S, 1, hd/2)
+    sin = rope[:S, None, :, 1]
+    x0, x1 = xp[..., 0], xp[..., 1]
+    out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
+    return out.reshape(B, S, H, hd).type_as(x)
+
+
+class Attention(nn.Module):
+    """Causal grouped-query attention with rotary embeddings (optional q/k norm, biases)."""
+
+    def __init__(self, c: TransformerConfig, norm_eps: float) -> None:
+        super().__init__()
+        assert c.head_dim is not None
+        self.n_heads, self.n_kv_heads, self.head_dim = c.n_heads, c.n_kv_heads, c.head_dim
+        D, hd = c.dim, c.head_dim
+        self.wq = nn.Linear(D, c.n_heads * hd, bias=c.qkv_bias)
+        self.wk = nn.Linear(D, c.n_kv_heads * hd, bias=c.qkv_bias)
+        self.wv = nn.Linear(D, c.n_kv_heads * hd, bias=c.qkv_bias)
+        self.wo = nn.Linear(c.n_heads * hd, D, bias=c.o_bias)
+        self.q_norm = RMSNorm(hd, norm_eps) if c.qk_norm else None
+        self.k_norm = RMSNorm(hd, norm_eps) if c.qk_norm else None
+
+    def forward(self, x: Tensor, rope: Tensor) -> Tensor:
+        B, S, _ = x.shape  # x: (B, S, D)
+        q = self.wq(x).view(B, S, self.n_heads, self.head_dim)
+        k = self.wk(x).view(B, S, self.n_kv_heads, self.head_dim)
+        v = self.wv(x).view(B, S, self.n_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, rope), apply_rotary(k, rope)
+        rep = self.n_heads // self.n_kv_heads
+        if rep > 1:  # GQA: each kv head serves `rep` consecutive query heads
+            k = k.repeat_interleave(rep, dim=2)
+            v = v.repeat_interleave(rep, dim=2)
+        # (B, heads, S, hd)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+        )
+        return self.wo(out.transpose(1, 2).reshape(B, S, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: ``w2(silu(w1 x) * w3 x)``."""
+
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Router(nn.Module):
+    """Softmax router: scores every expert, keeps the top k, renormalises their weights."""
+
+    def __init__(self, dim: int, n_experts: int, top_k: int, bias: bool) -> None:
+        super().__init__()
+        self.top_k = top_k
+        self.gate = nn.Linear(dim, n_experts, bias=bias)
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """Route ``x`` (T, D): returns expert ids (T, k) and their weights (T, k), fp32."""
+        probs = F.softmax(self.gate(x).float(), dim=-1)  # (T, E)
+        weights, experts = torch.topk(probs, self.top_k, dim=-1)  # (T, k)
+        return experts, weights / weights.sum(dim=-1, keepdim=True)
+
+
+class GroupedExperts(nn.Module):
+    """E SwiGLU experts stored as one stacked parameter per projection.
+
+    ``w1 (E, F, D)``, ``w2 (E, D, F)``, ``w3 (E, F, D)``: row layout ``[out, in]`` per
+    expert as ``nn.Linear`` has it, so one expert's row is one row of the stack.
+    """
+
+    def __init__(self, dim: int, hidden: int, n_experts: int) -> None:
+        super().__init__()
+        self.n_experts = n_experts
+        self.w1 = nn.Parameter(torch.empty(n_experts, hidden, dim))
+        self.w2 = nn.Parameter(torch.empty(n_experts, dim, hidden))
+        self.w3 = nn.Parameter(torch.empty(n_experts, hidden, dim))
+
+    def forward(self, x: Tensor, counts: list[int]) -> Tensor:
+        """``x`` (N, D) sorted by expert, ``counts[e]`` rows for expert e; returns (N, D)."""
+        outs = []
+        for xe, w1, w2, w3 in zip(
+            torch.split(x, counts), self.w1.unbind(0), self.w2.unbind(0), self.w3.unbind(0)
+        ):
+            outs.append(F.linear(F.silu(F.linear(xe, w1)) * F.linear(xe, w3), w2))
+        return torch.cat(outs)
+
+
+class MoE(nn.Module):
+    """Top-k routed experts (+ optional shared experts); every routed token is computed.
+
+    No capacity limit and no token dropping. The computation is deterministic: tokens
+    are sorted by expert (stable), each expert runs once on its contiguous rows, and the
+    results are un-permuted by a gather and summed over k in a fixed order (no atomics).
+    """
+
+    def __init__(self, c: TransformerConfig) -> None:
+        super().__init__()
+        self.router = Router(c.dim, c.n_experts, c.top_k, c.router_bias)
+        self.experts = GroupedExperts(c.dim, c.moe_ffn_dim, c.n_experts)
+        self.shared_experts = (
+            FeedForward(c.dim, c.n_shared_experts * c.moe_ffn_dim) if c.n_shared_experts else None
+        )
+
+    def forward(self, x: Tensor) -> Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])  # (T, D)
+        T, k = x.shape[0], self.router.top_k
+        experts, weights = self.router(x)  # (T, k) each
+        flat = experts.reshape(-1)  # (T*k,) assignment j -> token j // k
+        order = torch.argsort(flat, stable=True)  # assignments grouped by expert
+        counts = torch.bincount(flat, minlength=self.experts.n_experts).tolist()
+        routed = self.experts(x[order // k], counts)  # (T*k, D), in `order`
+        routed = routed[torch.argsort(order)].view(T, k, -1)  # back to assignment order
+        out = (routed * weights.unsqueeze(-1).to(routed.dtype)).sum(dim=1)  # (T, D)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out.view(shape)
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm block: ``h = x + attn(norm(x)); out = h + ffn(norm(h))`` (dense or MoE)."""
+
+    def __init__(self, c: TransformerConfig, layer_id: int, norm_eps: float) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.attention_norm = RMSNorm(c.dim, norm_eps)
+        self.attention = Attention(c, norm_eps)
+        self.ffn_norm = RMSNorm(c.dim, norm_eps)
+        self.is_moe = c.is_moe_layer(layer_id)
+        if self.is_moe:
+            self.moe = MoE(c)
+        else:
+            self.feed_forward = FeedForward(c.dim, c.ffn_dim)
+
+    def forward(self, x: Tensor, rope: Tensor) -> Tensor:
+        h = x + self.attention(self.attention_norm(x), rope)
+        ffn = self.moe if self.is_moe else self.feed_forward
+        return h + ffn(self.ffn_norm(h))
+
+
+# --- the model ---------------------------------------------------------------------------
+class Transformer(nn.Module):
+    """A decoder-only LM (dense LLaMA-style or MoE) with the catalogue's FQNs and shapes.
+
+    Args:
+        config: the shape config (``raggedfsdp.models.get_config("llama-tiny")``).
+        max_seq_len: longest sequence ``forward`` accepts (the rotary table's length).
+            Default 256.
+        seed: the init seed used when the model is built on a real device; on ``meta``
+            nothing is initialised: call ``to_empty`` then ``init_weights(seed)``.
+            Default 0. See [Note: deterministic init].
+        rope_theta: rotary base. Default 10000.0.
+        norm_eps: RMSNorm epsilon. Default 1e-5.
+
+    Raises:
+        ValueError: an inconsistent config or a bad argument.
+        NotImplementedError: a catalogue feature these modules do not build (MLA,
+            attention sinks, GPT-OSS fused experts).
+    """
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        *,
+        max_seq_len: int = 256,
+        seed: int = 0,
+        rope_theta: float = 10000.0,
+        norm_eps: float = 1e-5,
+    ) -> None:
+        super().__init__()
+        _check_supported(config)
+        if max_seq_len < 1:
+            raise ValueError(f"Transformer: max_seq_len must be >= 1, got {max_seq_len}")
+        self.config = config
+        self.max_seq_len = max_seq_len
+        self.rope_theta = rope_theta
+        c = config
+        device = torch.get_default_device()  # e.g. set by `with torch.device("meta"):`
+        with torch.device("meta"):  # skip nn's default init: init_weights does it once
+            self.tok_embeddings = nn.Embedding(c.vocab_size, c.dim)
+            self.layers = nn.ModuleList(TransformerBlock(c, i, norm_eps) for i in range(c.n_layers))
+            self.norm = RMSNorm(c.dim, norm_eps)
+            self.output = nn.Linear(c.dim, c.vocab_size, bias=False)
+            if c.tie_embeddings:
+                self.output.weight = self.tok_embeddings.weight
+            assert c.head_dim is not None
+            # Derived, not state: recomputed by init_weights, never saved.
+            rope = torch.empty(max_seq_len, c.head_dim // 2, 2)  # (S, hd/2, [cos, sin])
+            self.register_buffer("rope", rope, persistent=False)
+        if device.type != "meta":
+            self.to_empty(device=device)
+            self.init_weights(seed)
+
+    def transformer_blocks(self) -> list[TransformerBlock]:
+        """The blocks to ``fully_shard`` one by one before the root (``self.layers``)."""
+        return list(self.layers)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        """Logits ``(B, S, vocab)`` for ``tokens`` ``(B, S)`` (int64 ids < vocab_size)."""
+        if tokens.dim() != 2:
+            raise ValueError(f"Transformer: tokens must be (batch, seq), got {tuple(tokens.shape)}")
+        if tokens.shape[1] > self.max_seq_len:
+            raise ValueError(
+                f"Transformer: sequence length {tokens.shape[1]} exceeds max_seq_len="
+                f"{self.max_seq_len}; build the model with a larger max_seq_len"
+            )
+        h = self.tok_embeddings(tokens)  # (B, S, D)
+        for layer in self.layers:
+            h = layer(h, self.rope)
+        return self.output(self.norm(h))
+
+    # --- initialisation ------------------------------------------------------------------
+    @torch.no_grad()
+    def init_weights(self, seed: int = 0) -> None:
+        """Initialise every parameter and the rotary table deterministically.
+
+        Works on plain parameters and on sharded DTensor parameters (each rank writes
+        its own part of the same full value). See [Note: deterministic init].
+
+        Args:
+            seed: the init seed. Default 0.
+        """
+        c = self.config
+        assert c.head_dim is not None
+        if c.tie_embeddings and self.output.weight is not self.tok_embeddings.weight:
+            # nn.Module.to_empty() replaces each module's parameter separately, which unties
+            # a plain (unsharded) model; tie again.
+            self.output.weight = self.tok_embeddings.weight
+        self.rope.copy_(
+            rotary_tables(self.max_seq_len, c.head_dim, self.rope_theta).to(self.rope.device)
+        )
+        for fqn, param in self.named_parameters():
+            _write_full(param, _init_value(fqn, tuple(param.shape), c, seed))
+
+    def reset_parameters(self) -> None:
+        """``init_weights(0)``: the nn.Module convention."""
+        self.init_weights(0)
+
+
+def _init_std(fqn: str, c: TransformerConfig) -> float | None:
+    """Std of the truncated normal for ``fqn``; None for norm scales (ones) and biases (zeros).
+
+    torchtitan's scheme: 0.02 for inputs projections, a depth-scaled 0.02 / sqrt(2 (i + 1))
+    for the projections that write the residual stream, dim^-1/2 for the output head, and
+    1.0 for an untied embedding (dim^-1/2 when tied, since it is the head too).
+    """
+    name = fqn.rsplit(".", 1)[-1]
+    if "norm." in fqn or name == "bias":
+        return None
+    if fqn == "tok_embeddings.weight":
+        return c.dim**-0.5 if c.tie_embeddings else 1.0
+    if fqn == "output.weight":
+        return c.dim**-0.5
+    layer = int(fqn.split(".")[1])
+    depth_std = 0.02 / math.sqrt(2 * (layer + 1))
+    if fqn.endswith(("attention.wo.weight", ".w2.weight", ".w3.weight", ".w2", ".w3")):
+        return depth_std
+    return 0.02
+
+
+def _init_value(fqn: str, shape: tuple[int, ...], c: TransformerConfig, seed: int) -> Tensor:
+    """The full fp32 CPU value of parameter ``fqn``: a function of (seed, fqn, shape) only."""
+    std = _init_std(fqn, c)
+    if std is None:
+        fill = 0.0 if fqn.endswith(".bias") else 1.0
+        return torch.full(shape, fill)
+    digest = hashlib.sha256(f"{seed}:{fqn}".encode()).digest()
+    gen = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+    # Normal truncated at +-3 std by inverse CDF, in one pass (torch's trunc_normal_ loops).
+    lo, hi = (math.erf(z / math.sqrt(2.0)) for z in (-3.0, 3.0))  # 2 * cdf(z) - 1
+    value = torch.empty(shape).uniform_(lo, hi, generator=gen).erfinv_()
+    return value.mul_(std * math.sqrt(2.0)).clamp_(-3 * std, 3 * std)
+
+
+def _write_full(param: Tensor, full: Tensor) -> None:
+    """Write ``full`` (the whole value) into ``param``, or its local part if it is a DTensor."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if isinstance(param, DTensor):
+        # src_data_rank=None: every rank holds the same full value, so no communication.
+        part = distribute_tensor(
+            full.to(param.device, param.dtype),
+            param.device_mesh,
+            param.placements,
+            src_data_rank=None,
+        )
+        param.to_local().copy_(part.to_local())
+    else:
+        param.copy_(full)
+
+
+def lm_loss(logits: Tensor, targets: Tensor) -> Tensor:
+    """Mean next-token cross-entropy (fp32) of ``logits`` (B, S, V) against ``targets`` (B, S)."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())

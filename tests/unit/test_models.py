@@ -1,0 +1,180 @@
+"""The trainable models: catalogue FQNs and shapes, meta init, MoE routing, training."""
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from raggedfsdp.models import (
+    SMALL_CONFIGS,
+    Transformer,
+    get_config,
+    lm_loss,
+    num_params,
+    param_groups,
+)
+from raggedfsdp.models.transformer import MoE
+
+NAMES = sorted(SMALL_CONFIGS)
+
+
+@pytest.fixture(autouse=True)
+def _two_threads():
+    old = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(old)
+
+
+def _tokens(batch=4, seq=32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (batch, seq + 1), generator=g)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_params_match_the_catalogue(name):
+    config = get_config(name)
+    model = Transformer(config)
+    got = [(fqn, tuple(p.shape)) for fqn, p in model.named_parameters()]
+    want = [(p.fqn, p.shape) for g in param_groups(config) for p in g.params]
+    assert got == want
+    assert sum(p.numel() for p in model.parameters()) == num_params(config)
+    # every catalogue group is a module of the model (the fully_shard unit)
+    for group in param_groups(config):
+        if group.name.startswith("layers."):
+            assert model.get_submodule(group.name) is model.layers[int(group.name.split(".")[1])]
+
+
+def test_small_configs_are_registered_and_awkward():
+    for name in ("llama-tiny", "llama-small", "moe-tiny", "moe-small"):
+        c = get_config(name)
+        assert c.vocab_size == 1001
+    assert get_config("llama-tiny").dim == 96 and get_config("llama-tiny").n_heads == 3
+    moe = get_config("moe-tiny")
+    assert (moe.n_experts, moe.top_k) == (6, 2)
+    assert [g.kind for g in param_groups(moe)] == ["embed", "dense", "moe", "head"]
+
+
+def test_tied_embeddings_share_one_parameter():
+    model = Transformer(get_config("llama-tiny-tied"))
+    assert model.output.weight is model.tok_embeddings.weight
+    assert "output.weight" not in dict(model.named_parameters())
+    head = [g for g in param_groups(model.config) if g.name == "head"][0]
+    assert [p.fqn for p in head.params] == ["norm.weight"]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_meta_init_equals_cpu_init(name):
+    config = get_config(name)
+    cpu = Transformer(config, seed=3, max_seq_len=64)
+    with torch.device("meta"):
+        meta = Transformer(config, seed=3, max_seq_len=64)
+    assert all(p.is_meta for p in meta.parameters())
+    meta.to_empty(device="cpu")
+    meta.init_weights(3)
+    assert (meta.output.weight is meta.tok_embeddings.weight) == config.tie_embeddings
+    cpu_params = dict(cpu.named_parameters())
+    for fqn, p in meta.named_parameters():
+        assert torch.equal(p, cpu_params[fqn]), fqn
+    assert torch.equal(meta.rope, cpu.rope)
+    assert "rope" not in meta.state_dict()  # derived, not saved
+    x = _tokens(seq=16)[:, :-1]
+    torch.testing.assert_close(meta(x), cpu(x), rtol=0, atol=0)
+
+
+def test_init_depends_on_seed_only():
+    config = get_config("moe-tiny")
+    a, b, c = Transformer(config, seed=1), Transformer(config, seed=1), Transformer(config, seed=2)
+    for (fqn, pa), pb, pc in zip(a.named_parameters(), b.parameters(), c.parameters()):
+        assert torch.equal(pa, pb), fqn
+        if "norm" not in fqn:
+            assert not torch.equal(pa, pc), fqn
+    a.reset_parameters()
+    assert torch.equal(
+        a.layers[1].moe.experts.w1, Transformer(config, seed=0).layers[1].moe.experts.w1
+    )
+
+
+@pytest.mark.parametrize("name", ["llama-tiny", "moe-tiny", "llama-tiny-tied"])
+def test_sgd_reduces_the_loss(name):
+    model = Transformer(get_config(name), seed=0, max_seq_len=64)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    batch = _tokens(batch=8, seq=64)
+    losses = []
+    for _ in range(8):
+        loss = lm_loss(model(batch[:, :-1]), batch[:, 1:])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0] - 0.5, losses
+
+
+def test_forward_backward_is_deterministic():
+    config = get_config("moe-tiny")
+    batch = _tokens()
+    grads = []
+    for _ in range(2):
+        model = Transformer(config, seed=0)
+        lm_loss(model(batch[:, :-1]), batch[:, 1:]).backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    for g0, g1 in zip(*grads):
+        assert torch.equal(g0, g1)
+
+
+def _naive_moe(moe: MoE, x):
+    """Token by token: softmax, top-k, renormalise, each chosen expert, weighted sum."""
+    ex = moe.experts
+    out = []
+    for t in x.reshape(-1, x.shape[-1]):  # t: (D,)
+        probs = F.softmax(moe.router.gate(t).float(), dim=-1)
+        w, idx = torch.topk(probs, moe.router.top_k)
+        w = w / w.sum()
+        y = torch.zeros_like(t)
+        for wi, e in zip(w, idx.tolist()):
+            h = F.silu(ex.w1[e] @ t) * (ex.w3[e] @ t)
+            y = y + wi * (ex.w2[e] @ h)
+        if moe.shared_experts is not None:
+            y = y + moe.shared_experts(t)
+        out.append(y)
+    return torch.stack(out).view(x.shape)
+
+
+@pytest.mark.parametrize("name", ["moe-tiny", "moe-small"])
+def test_moe_computes_every_routed_token(name):
+    config = get_config(name)
+    model = Transformer(config, seed=0)
+    moe = next(b.moe for b in model.layers if b.is_moe)
+    x = torch.randn(3, 17, config.dim, generator=torch.Generator().manual_seed(0))
+    want = _naive_moe(moe, x)
+    got = moe(x)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # every expert is used by 51 tokens x top-2 here, so every expert gets a gradient
+    got.square().sum().backward()
+    per_expert = moe.experts.w1.grad.flatten(1).abs().sum(1)
+    assert (per_expert > 0).all()
+    assert moe.router.gate.weight.grad.abs().sum() > 0
+
+
+def test_moe_with_top_k_equal_to_every_expert():
+    config = dataclasses.replace(get_config("moe-tiny"), name="moe-all", top_k=6)
+    moe = next(b.moe for b in Transformer(config).layers if b.is_moe)
+    x = torch.randn(2, 5, config.dim, generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(moe(x), _naive_moe(moe, x), rtol=1e-5, atol=1e-5)
+
+
+def test_errors():
+    with pytest.raises(ValueError, match=r"sequence length 65 exceeds max_seq_len=64"):
+        Transformer(get_config("llama-tiny"), max_seq_len=64)(torch.zeros(1, 65, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"tokens must be \(batch, seq\), got \(5,\)"):
+        Transformer(get_config("llama-tiny"))(torch.zeros(5, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"top_k must be in \[1, n_experts=6\], got 7"):
+        Transformer(dataclasses.replace(get_config("moe-tiny"), top_k=7))
+    with pytest.raises(ValueError, match=r"n_heads \(3\) must be a multiple of n_kv_heads \(2\)"):
+        Transformer(dataclasses.replace(get_config("llama-tiny"), n_kv_heads=2))
+    with pytest.raises(ValueError, match=r"max_seq_len must be >= 1, got 0"):
+        Transformer(get_config("llama-tiny"), max_seq_len=0)
+    with torch.device("meta"):
+        with pytest.raises(NotImplementedError, match=r"'deepseek-v3' has attention='mla'"):
+            Transformer(get_config("deepseek-v3"))
