@@ -1,0 +1,89 @@
+"""The buffer planner: pack one param group's tensors into a flat buffer shared by m ranks.
+
+The planner is pure: it needs no process group, allocates no tensor and never
+imports torch. Given the group's tensors (shape, block size), the world size ``m``
+and an alignment, it returns a ``BufferLayout``: a shard size ``S`` and an offset
+per tensor in a global buffer of ``m * S`` elements, rank ``k`` owning
+``[k * S, (k + 1) * S)``, such that
+
+1. no shard boundary ``k * S`` splits a block (a block = ``block_rows`` whole rows);
+2. every tensor is contiguous, padding sits only between tensors;
+3. every rank holds exactly ``S`` elements (symmetric collectives);
+4. ``S`` and every offset are multiples of the alignment;
+5. ``S`` is as small as the search can find, and never below ``lower_bound``.
+
+Five ranks, four tensors (``A``: 6x4, blocks of one row = 4 elements; ``B``: 5
+elements, one block; ``C``: 3x2, blocks of one row = 2 elements; ``D``: 3 elements,
+one block), alignment 1. Each rank holds ``S = 8`` elements, ``.`` is padding::
+
+    offset   0       8       16      24      32      40
+    buffer   AAAAAAAAAAAAAAAAAAAAAAAABBBBB.CCCCCCDDD.
+    ranks    |  r0   |  r1   |  r2   |  r3   |  r4   |
+
+    A holds two whole shards, so S must be a multiple of its block (4): it is.
+    B (one block) must not straddle a boundary: it sits inside rank 3.
+    C starts at 30, not 29, so the boundary 32 falls on a block start of C
+    (C's first row on rank 3, its other two rows on rank 4).
+    S = 8, m * S = 40, tensors 38 elements, padding 2 (5.3%) = the lower bound
+    ceil(38 / 5) = 8. RaggedShard units of C (one row each): (0, 0, 0, 1, 2).
+
+[Note: the search]
+For a fixed order and a candidate ``S``, placing each tensor at its earliest valid
+offset is optimal (an earlier end never removes an option), and that offset has a
+closed form: a tensor fits before the next boundary ``b``, or straddles ``b`` with
+a block start on it; a tensor holding two boundaries needs ``S`` to be a multiple
+of its block (it contains a whole shard). The paper runs this as a DP over blocks;
+here it is O(1) per tensor, and later tensors may also fill the padding holes left
+by earlier ones (``_search.greedy``), which never makes the end later. ``S`` is
+searched over sizes that are multiples of the alignment and of the block of every
+tensor long enough (``>= 2S``) to contain a whole shard: from the lower bound up,
+one alignment unit at a time for ``_LINEAR_STEPS`` sizes, then galloping and
+bisection; at each size several tensor orders are tried (module order, by size, by
+block, reversed, seeded shuffles) and the first that fits is kept. The exact
+problem is NP-hard (PARTITION is the case ``m = 2`` with one-block tensors);
+``plan_exact`` solves small instances with HiGHS for reference.
+
+[Note: member gaps]
+A stack (``TensorSpec(stack=True)``, fused experts ``[E, out, in]``) can be laid out
+with ``member_gap`` padding elements after each member but the last; its unsharded
+view is still a view, ``as_strided`` with dim-0 stride ``member numel + gap``
+(``BufferLayout.unsharded_view_args``). With a gap, blocks restart at each member
+(a member's last block may be short) and a boundary in a gap splits nothing. Two
+gap sizes are tried, for every eligible stack at once, against the gap-free layout,
+and the smaller ``S`` wins: when a member fits in a shard, the stride that packs
+``S // member`` members per shard (boundaries then repeat at the same member
+position, which frees ``S`` from being a multiple of the stack's block: the lcm
+rounding behind the paper's padding spikes); when a member is larger than a shard,
+the gap that rounds the member up to whole blocks (per-member 128x128 tiles stay
+whole even when ``out`` is not a multiple of 128). Gaps are opt-in
+(``member_gaps=True``) because the runtime must then view members with a stride.
+"""
+
+from raggedfsdp.planner._exact import plan_exact
+from raggedfsdp.planner._layout import BufferLayout, TensorPlacement
+from raggedfsdp.planner._peers import PeerPadding, fsdp1_padding, fsdp2_padding, zero3_padding
+from raggedfsdp.planner._plan import (
+    DEFAULT_ALIGNMENT_BYTES,
+    GroupPlan,
+    clear_plan_cache,
+    plan_buffer,
+    plan_groups,
+)
+from raggedfsdp.planner._spec import WHOLE, TensorSpec
+
+__all__ = [
+    "DEFAULT_ALIGNMENT_BYTES",
+    "WHOLE",
+    "BufferLayout",
+    "GroupPlan",
+    "PeerPadding",
+    "TensorPlacement",
+    "TensorSpec",
+    "clear_plan_cache",
+    "fsdp1_padding",
+    "fsdp2_padding",
+    "plan_buffer",
+    "plan_exact",
+    "plan_groups",
+    "zero3_padding",
+]

@@ -1,0 +1,314 @@
+"""``python -m raggedfsdp plan``: plan a catalogued (or JSON-described) model's buffers.
+
+Examples::
+
+    python -m raggedfsdp plan --list
+    python -m raggedfsdp plan --model deepseek-v3 --world 1024 --block-rows 128
+    python -m raggedfsdp plan --model my_model.json --world 64 --json
+    python -m raggedfsdp plan --model gpt-oss-120b --world 256 --png layout.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from raggedfsdp.planner._peers import PeerPadding, fsdp1_padding, fsdp2_padding, zero3_padding
+from raggedfsdp.planner._plan import DEFAULT_ALIGNMENT_BYTES, clear_plan_cache, plan_buffer
+from raggedfsdp.planner._spec import WHOLE, TensorSpec, with_block_rows
+
+
+def _block_rows(text: str) -> int | str:
+    if text == WHOLE:
+        return WHOLE
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a number of rows or 'whole', got {text!r}"
+        ) from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"block rows must be >= 1, got {value}")
+    return value
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m raggedfsdp plan",
+        description="Plan block-aware FSDP buffers for a model and compare the padding "
+        "with FSDP2, FSDP1 and DeepSpeed ZeRO-3 on the same groups.",
+    )
+    p.add_argument("--list", action="store_true", help="list catalogued models and exit")
+    p.add_argument("--model", help="a catalogued model name or a JSON file of shapes")
+    p.add_argument("--world", type=int, default=8, help="ranks per buffer (default 8)")
+    p.add_argument(
+        "--block-rows",
+        type=_block_rows,
+        default=1,
+        help="rows per block: a number (clamped to small tensors) or 'whole' (default 1); "
+        "a JSON file's per-param block_rows wins",
+    )
+    p.add_argument("--dtype", default="bfloat16", help="buffer dtype (default bfloat16)")
+    p.add_argument(
+        "--alignment-bytes",
+        type=int,
+        default=DEFAULT_ALIGNMENT_BYTES,
+        help=f"alignment of shard starts and offsets (default {DEFAULT_ALIGNMENT_BYTES})",
+    )
+    p.add_argument("--member-gaps", action="store_true", help="allow gaps between experts")
+    p.add_argument("--exact", action="store_true", help="solve each distinct group with HiGHS")
+    p.add_argument("--time-limit", type=float, default=60.0, help="--exact seconds per group")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--png", help="draw one group's layout to this PNG file")
+    p.add_argument("--png-group", help="group to draw (default: the largest)")
+    p.add_argument("--png-ranks", type=int, default=32, help="ranks to draw (default 32)")
+    return p
+
+
+def _load(model: str) -> tuple[str, tuple[Any, ...], str]:
+    from raggedfsdp.models import CATALOGUE, load_model_json, param_groups
+
+    if model in CATALOGUE:
+        return model, param_groups(CATALOGUE[model]), CATALOGUE[model].source
+    if model.endswith(".json") or Path(model).is_file():
+        name, groups = load_model_json(model)
+        return name, groups, model
+    raise ValueError(
+        f"unknown model {model!r}; catalogued models: {', '.join(CATALOGUE)}; or pass a "
+        f"JSON file of shapes (see raggedfsdp/models/_json.py)"
+    )
+
+
+def _specs(group: Any, block_rows: int | str) -> list[TensorSpec]:
+    out = []
+    for p in group.params:
+        if p.block_rows is not None:  # the file's own block: strict
+            out.append(
+                TensorSpec(name=p.fqn, shape=p.shape, block_rows=p.block_rows, stack=p.stack)
+            )
+        else:
+            spec = TensorSpec(name=p.fqn, shape=p.shape, stack=p.stack)
+            out.append(with_block_rows(spec, block_rows))
+    return out
+
+
+def _list() -> int:
+    from raggedfsdp.models import CATALOGUE, num_params
+
+    print(f"{'model':<18} {'params':>10}  source")
+    for name, cfg in CATALOGUE.items():
+        print(f"{name:<18} {num_params(cfg) / 1e9:>9.2f}B  {cfg.source}")
+    return 0
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Plan the model described by ``args``; return the report (the ``--json`` object)."""
+    if args.world < 1:
+        raise ValueError(f"--world must be >= 1, got {args.world}")
+    name, groups, source = _load(args.model)
+    kwargs = dict(
+        dtype=args.dtype, alignment_bytes=args.alignment_bytes, member_gaps=args.member_gaps
+    )
+    specs = {g.name: _specs(g, args.block_rows) for g in groups}
+    clear_plan_cache()  # time a cold plan
+    t0 = time.perf_counter()
+    layouts = {g.name: plan_buffer(specs[g.name], args.world, **kwargs) for g in groups}
+    plan_seconds = time.perf_counter() - t0
+    exact: dict[str, Any] = {}
+    if args.exact:
+        from raggedfsdp.planner._exact import plan_exact
+
+        seen: dict[tuple, tuple] = {}  # shapes -> (layout, proven, its names)
+        for g in groups:
+            key = tuple((s.shape, s.block_rows, s.stack) for s in specs[g.name])
+            if key not in seen:
+                layout, proven = plan_exact(
+                    specs[g.name],
+                    args.world,
+                    dtype=args.dtype,
+                    alignment_bytes=args.alignment_bytes,
+                    time_limit=args.time_limit,
+                )
+                seen[key] = (layout, proven, [s.name for s in specs[g.name]])
+            layout, proven, names = seen[key]
+            exact[g.name] = {"shard_size": layout.shard_size, "proven_optimal": proven}
+            if layout.shard_size < layouts[g.name].shard_size:
+                new_names = [s.name for s in specs[g.name]]
+                layouts[g.name] = layout.renamed(dict(zip(names, new_names, strict=True)))
+
+    kinds: dict[str, dict[str, Any]] = defaultdict(
+        lambda: {
+            "groups": 0,
+            "params": 0,
+            "padding": 0,
+            "lower_bound_padding": 0,
+            "shard_sizes": set(),
+            "fsdp2": PeerPadding(0, 0, 0),
+            "fsdp1": PeerPadding(0, 0, 0),
+            "zero3": PeerPadding(0, 0, 0),
+        }
+    )
+    for g in groups:
+        lay, k = layouts[g.name], kinds[g.kind]
+        k["groups"] += 1
+        k["params"] += lay.total_numel
+        k["padding"] += lay.padding
+        k["lower_bound_padding"] += lay.lower_bound_padding
+        k["shard_sizes"].add(lay.shard_size)
+        k["fsdp2"] += fsdp2_padding(specs[g.name], args.world)
+        k["fsdp1"] += fsdp1_padding(specs[g.name], args.world, args.dtype)
+        k["zero3"] += zero3_padding(specs[g.name], args.world)
+
+    def summary(k: dict[str, Any]) -> dict[str, Any]:
+        n = k["params"]
+        return {
+            "groups": k["groups"],
+            "params": n,
+            "shard_sizes": sorted(k["shard_sizes"]),
+            "padding": k["padding"],
+            "padding_ratio": k["padding"] / n,
+            "lower_bound_padding": k["lower_bound_padding"],
+            "lower_bound_padding_ratio": k["lower_bound_padding"] / n,
+            **{f"{peer}_padding": k[peer].padding for peer in ("fsdp2", "fsdp1", "zero3")},
+            **{
+                f"{peer}_padding_ratio": k[peer].padding_ratio
+                for peer in ("fsdp2", "fsdp1", "zero3")
+            },
+            **{
+                f"{peer}_split_blocks": k[peer].split_blocks for peer in ("fsdp2", "fsdp1", "zero3")
+            },
+        }
+
+    total: dict[str, Any] = {
+        "groups": 0,
+        "params": 0,
+        "padding": 0,
+        "lower_bound_padding": 0,
+        "shard_sizes": set(),
+        "fsdp2": PeerPadding(0, 0, 0),
+        "fsdp1": PeerPadding(0, 0, 0),
+        "zero3": PeerPadding(0, 0, 0),
+    }
+    for k in kinds.values():
+        for key in (
+            "groups",
+            "params",
+            "padding",
+            "lower_bound_padding",
+            "fsdp2",
+            "fsdp1",
+            "zero3",
+        ):
+            total[key] += k[key]
+        total["shard_sizes"] |= k["shard_sizes"]
+    report = {
+        "model": name,
+        "source": source,
+        "world_size": args.world,
+        "block_rows": args.block_rows,
+        "dtype": args.dtype,
+        "alignment_bytes": args.alignment_bytes,
+        "member_gaps": bool(args.member_gaps),
+        **{k: v for k, v in summary(total).items() if k != "shard_sizes"},
+        "split_blocks": 0,
+        "plan_seconds": plan_seconds,
+        "distinct_groups": len(
+            {tuple((s.shape, s.block_rows, s.stack) for s in v) for v in specs.values()}
+        ),
+        "kinds": {kind: summary(k) for kind, k in kinds.items()},
+    }
+    if exact:
+        report["exact"] = exact
+    if args.png:
+        from raggedfsdp.planner._draw import draw_layout
+
+        gname = args.png_group or max(groups, key=lambda g: g.numel).name
+        if gname not in layouts:
+            raise ValueError(
+                f"--png-group {gname!r} is not a group of {name}; groups: "
+                f"{', '.join(list(layouts)[:6])}, ..."
+            )
+        draw_layout(
+            layouts[gname],
+            args.png,
+            title=f"{name} {gname}: {layouts[gname].describe()}",
+            max_ranks=args.png_ranks,
+        )
+        report["png"] = {"file": args.png, "group": gname}
+    return report
+
+
+def _fmt_elems(n: int) -> str:
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f}{unit}"
+    return str(n)
+
+
+def _print(report: dict[str, Any]) -> None:
+    r = report
+    print(
+        f"raggedfsdp plan: {r['model']} ({_fmt_elems(r['params'])} params), "
+        f"world {r['world_size']}, "
+        f"blocks of {r['block_rows']} rows, {r['dtype']}, alignment {r['alignment_bytes']} B"
+        + (", member gaps" if r["member_gaps"] else "")
+    )
+    head = (
+        f"{'kind':<7} {'groups':>6} {'params':>9} {'S (elems/rank)':>22} {'padding':>9} "
+        f"{'pad %':>8} {'bound %':>8} {'FSDP2 %':>9} {'FSDP1 %':>8} {'ZeRO3 %':>8}"
+    )
+    print(head)
+    rows = list(r["kinds"].items()) + [("total", r)]
+    for kind, k in rows:
+        sizes = k.get("shard_sizes")
+        s_txt = (
+            ""
+            if sizes is None
+            else (f"{sizes[0]:,}" if len(sizes) == 1 else f"{sizes[0]:,}..{sizes[-1]:,}")
+        )
+        print(
+            f"{kind:<7} {k['groups']:>6} {_fmt_elems(k['params']):>9} {s_txt:>22} "
+            f"{_fmt_elems(k['padding']):>9} {100 * k['padding_ratio']:>8.3f} "
+            f"{100 * k['lower_bound_padding_ratio']:>8.3f} {100 * k['fsdp2_padding_ratio']:>9.3f} "
+            f"{100 * k['fsdp1_padding_ratio']:>8.3f} {100 * k['zero3_padding_ratio']:>8.3f}"
+        )
+    print(
+        f"blocks split by a shard boundary: raggedfsdp 0, FSDP2 {r['fsdp2_split_blocks']:,}, "
+        f"FSDP1 {r['fsdp1_split_blocks']:,}, ZeRO-3 {r['zero3_split_blocks']:,}"
+    )
+    print(f"plan time: {r['plan_seconds']:.3f} s ({r['distinct_groups']} distinct groups planned)")
+    if "exact" in r:
+        proven = sum(v["proven_optimal"] for v in r["exact"].values())
+        print(f"exact (HiGHS): {proven}/{len(r['exact'])} groups proven optimal")
+    if "png" in r:
+        print(f"layout of {r['png']['group']} drawn to {r['png']['file']}")
+
+
+def main(argv: list[str]) -> int:
+    """Entry point of ``python -m raggedfsdp plan``; returns the exit status."""
+    parser = _parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # argparse reports and exits; hand back its status
+        return int(e.code or 0)
+    if args.list:
+        return _list()
+    if not args.model:
+        parser.print_usage(sys.stderr)
+        print("raggedfsdp plan: error: --model is required (or --list)", file=sys.stderr)
+        return 2
+    try:
+        report = run(args)
+    except ValueError as e:
+        print(f"raggedfsdp plan: error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(report, indent=2, sort_keys=True))
+    else:
+        _print(report)
+    return 0
