@@ -17,8 +17,8 @@ demo: $(VENV_STAMP)
 	$(PY) -m raggedfsdp demo
 
 lint: $(VENV_STAMP)
-	$(PY) -m ruff check raggedfsdp tests benchmarks
-	$(PY) -m ruff format --check raggedfsdp tests benchmarks
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
 
 test: lint
 	$(PY) -m pytest -q tests
