@@ -5,4 +5,19 @@ from raggedfsdp.placement import RaggedShard
 
 _dtensor_ext.install()
 
-__all__ = ["RaggedShard"]
+from raggedfsdp.fsdp import (  # noqa: E402  (after the DTensor hooks are in place)
+    BlockPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    UnshardHandle,
+    fully_shard,
+)
+
+__all__ = [
+    "BlockPolicy",
+    "FSDPModule",
+    "MixedPrecisionPolicy",
+    "RaggedShard",
+    "UnshardHandle",
+    "fully_shard",
+]

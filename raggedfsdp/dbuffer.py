@@ -1,0 +1,134 @@
+"""DBuffer: one flat buffer per param group; every parameter is a view into it.
+
+[Note: zero-copy views]
+A ``BufferLayout`` (the planner's) places each tensor of a group at an offset of a
+global buffer of ``m * S`` elements, rank k owning ``[k * S, (k + 1) * S)``::
+
+    global  |AAAAAAAA|AAAABBBB|B..CCCCC|CCCCCCC.|     m = 4, S = 8
+    rank 0  |AAAAAAAA|                            shard storage = its 8 elements
+    rank 2                    |B..CCCCC|
+
+- **shard storage** (``S`` elements, persistent): the sharded parameter of each
+  tensor is a view of it (a ``RaggedShard`` DTensor over a view: no copy).
+- **global storage** (``m * S`` elements): allocated by ``alloc_global`` and freed
+  by ``free_global`` as a whole (``untyped_storage().resize_``), so the unsharded
+  parameters, views of it, stay valid for autograd across free / alloc.
+- ``all_gather``: the shard storage (or one cast of it under mixed precision) is
+  the all-gather input and the global storage its output: no copy-in, no copy-out.
+- gradients go the other way: unsharded ``.grad``s are views of one flat global
+  gradient buffer, reduce-scattered in one collective into the shard gradient
+  storage, whose views are the sharded ``.grad``s.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from raggedfsdp.planner import BufferLayout
+
+__all__ = ["DBuffer", "FlatStorage"]
+
+
+class FlatStorage:
+    """A 1-D tensor whose storage is allocated and freed as a whole.
+
+    Views taken of ``tensor`` stay valid across ``free`` / ``alloc``: they share the
+    storage object, whose size alone changes.
+    """
+
+    def __init__(self, numel: int, dtype: torch.dtype, device: torch.device):
+        self.tensor = torch.empty(numel, dtype=dtype, device=device)  # 1D, numel elements
+        self._nbytes = self.tensor.untyped_storage().nbytes()
+        self.free()
+
+    @property
+    def allocated(self) -> bool:
+        return self.tensor.untyped_storage().nbytes() > 0
+
+    def alloc(self) -> torch.Tensor:
+        if not self.allocated:
+            self.tensor.untyped_storage().resize_(self._nbytes)
+        return self.tensor
+
+    def free(self) -> None:
+        if self.tensor.device.type != "meta" and self.allocated:
+            self.tensor.untyped_storage().resize_(0)
+
+
+class DBuffer:
+    """The storages of one param group, laid out by a ``BufferLayout``.
+
+    Args:
+        layout: the group's plan (identical on every rank).
+        rank: this rank's index on the mesh axis.
+        dtype: the dtype of the parameters (shard storage, sharded gradients).
+        device: where the storages live.
+        compute_dtype: the dtype of the unsharded parameters and their gradients
+            (mixed precision ``param_dtype``). Default: ``dtype``.
+    """
+
+    def __init__(
+        self,
+        layout: BufferLayout,
+        rank: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        compute_dtype: torch.dtype | None = None,
+    ):
+        self.layout = layout
+        self.rank = rank
+        self.dtype = dtype
+        self.compute_dtype = compute_dtype or dtype
+        S, m = layout.shard_size, layout.world_size
+        self.shard = torch.zeros(S, dtype=dtype, device=device)  # 1D, S elements
+        self.shard_grad = torch.zeros(S, dtype=dtype, device=device)  # 1D, S elements
+        self.global_params = FlatStorage(m * S, self.compute_dtype, device)  # 1D, m*S
+        self.global_grads = FlatStorage(m * S, self.compute_dtype, device)  # 1D, m*S
+
+    # ---- views ----------------------------------------------------------------------------
+    def _local_view(self, flat: torch.Tensor, name: str) -> torch.Tensor:
+        start, stop = self.layout.shard_range(name, self.rank)
+        placement = self.layout.ragged_shard(name)
+        shape = placement.local_shape(self.layout[name].shape, self.rank)
+        return flat[start:stop].view(shape)
+
+    def shard_view(self, name: str) -> torch.Tensor:
+        """This rank's part of ``name`` in the shard storage, shaped ``(rows, *rest)``."""
+        return self._local_view(self.shard, name)
+
+    def shard_grad_view(self, name: str) -> torch.Tensor:
+        """This rank's part of ``name``'s gradient in the shard gradient storage."""
+        return self._local_view(self.shard_grad, name)
+
+    def _global_view(self, flat: torch.Tensor, name: str) -> torch.Tensor:
+        size, stride, offset = self.layout.unsharded_view_args(name)
+        return flat.as_strided(size, stride, offset)
+
+    def global_view(self, name: str) -> torch.Tensor:
+        """The unsharded ``name``: a view of the global parameter storage."""
+        return self._global_view(self.global_params.tensor, name)
+
+    def global_grad_view(self, name: str) -> torch.Tensor:
+        """The unsharded gradient of ``name``: a view of the global gradient storage."""
+        return self._global_view(self.global_grads.tensor, name)
+
+    # ---- collectives ----------------------------------------------------------------------
+    def all_gather(self, group, *, async_op: bool) -> dist.Work | None:
+        """Fill the global parameter storage from every rank's shard: one collective.
+
+        Under mixed precision the input is one cast of the whole shard; otherwise the
+        shard storage itself.
+        """
+        out = self.global_params.alloc()
+        inp = self.shard if self.compute_dtype == self.dtype else self.shard.to(self.compute_dtype)
+        return dist.all_gather_single(out, inp, group=group, async_op=async_op)
+
+    def reduce_scatter_grads(
+        self, out: torch.Tensor, group, op, reduce_dtype: torch.dtype, *, async_op: bool
+    ) -> dist.Work | None:
+        """Reduce-scatter the global gradient storage into ``out`` (S elements)."""
+        inp = self.global_grads.tensor
+        if reduce_dtype != inp.dtype:
+            inp = inp.to(reduce_dtype)  # one cast of the whole buffer
+        return dist.reduce_scatter_single(out, inp, op=op, group=group, async_op=async_op)

@@ -1,0 +1,117 @@
+"""Policies of ``fully_shard``: frozen, keyword-only, self-validating."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal, Union
+
+import torch
+from torch import nn
+
+from raggedfsdp.planner import WHOLE
+
+BlockRows = Union[int, Literal["whole"]]  # noqa: UP007 (a runtime alias)
+
+
+@dataclass(frozen=True, kw_only=True)
+class MixedPrecisionPolicy:
+    """As ``torch.distributed.fsdp.MixedPrecisionPolicy``.
+
+    Args:
+        param_dtype: dtype of the unsharded parameters used in forward and backward
+            (one cast of the whole shard feeds the all-gather). Default: unchanged.
+        reduce_dtype: dtype of the gradient reduce-scatter. Default: ``param_dtype``.
+        output_dtype: dtype the module's floating-point outputs are cast to. Default:
+            unchanged.
+        cast_forward_inputs: cast floating-point forward inputs to ``param_dtype``.
+            Default True.
+    """
+
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    output_dtype: torch.dtype | None = None
+    cast_forward_inputs: bool = True
+
+    def __post_init__(self) -> None:
+        for field in ("param_dtype", "reduce_dtype", "output_dtype"):
+            value = getattr(self, field)
+            if value is not None and not (
+                isinstance(value, torch.dtype) and value.is_floating_point
+            ):
+                raise ValueError(
+                    f"MixedPrecisionPolicy: {field} must be a floating torch.dtype or None, "
+                    f"got {value!r}"
+                )
+
+
+@dataclass(frozen=True, kw_only=True)
+class BlockPolicy:
+    """How many rows form a block, the unit a shard boundary never splits.
+
+    A row is one row of the parameter seen as ``[numel / last_dim, last_dim]``; for
+    a stacked ``[E, out, in]`` tensor, a row of one member.
+
+    Args:
+        rows: rows per block for every parameter: a positive int, or ``"whole"``
+            (the whole tensor; for a stack, each whole member). Default 1.
+        overrides: per-FQN rows, matched by suffix (``{"experts.w1": "whole"}``).
+            Default none.
+        whole_if_fewer_rows: a parameter with fewer rows than ``rows`` is kept whole
+            instead of raising. Default True (norm weights and biases have one row).
+    """
+
+    rows: BlockRows = 1
+    overrides: tuple[tuple[str, BlockRows], ...] = ()
+    whole_if_fewer_rows: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.overrides, dict):
+            object.__setattr__(self, "overrides", tuple(self.overrides.items()))
+        for where, value in [("rows", self.rows), *self.overrides]:
+            _check_rows(value, f"BlockPolicy {where!r}")
+
+    def __call__(self, fqn: str, param: nn.Parameter) -> BlockRows:
+        rows = self.rows
+        for suffix, value in self.overrides:
+            if fqn == suffix or fqn.endswith("." + suffix):
+                rows = value
+        if rows != WHOLE and self.whole_if_fewer_rows and rows > param_rows(param):
+            return WHOLE
+        return rows
+
+
+def _check_rows(value, where: str) -> None:
+    if value == WHOLE:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(
+            f"{where}: a block must be a positive number of rows or 'whole', got {value!r}"
+        )
+
+
+def param_rows(param: torch.Tensor) -> int:
+    """Rows of ``param`` seen as ``[numel / last_dim, last_dim]`` (members' rows for stacks)."""
+    if param.dim() <= 1:
+        return 1
+    return param.numel() // param.shape[-1]
+
+
+def resolve_block_rows(
+    policy: BlockPolicy | Callable[[str, nn.Parameter], BlockRows] | None,
+    fqn: str,
+    param: nn.Parameter,
+) -> BlockRows:
+    """The block rows ``policy`` gives ``fqn``, checked against the parameter."""
+    rows = (policy or BlockPolicy())(fqn, param)
+    _check_rows(rows, f"fully_shard: block_policy for parameter {fqn!r}")
+    if rows == WHOLE:
+        return rows
+    member_rows = param_rows(param) // (param.shape[0] if param.dim() >= 3 else 1)
+    if member_rows % rows:
+        raise ValueError(
+            f"fully_shard: parameter {fqn!r} of shape {tuple(param.shape)} has {member_rows} "
+            f"rows, not a multiple of its block of {rows} rows; pass a block_policy whose "
+            f"rows divide {member_rows}, or 'whole'"
+        )
+    return rows

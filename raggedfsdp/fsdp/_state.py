@@ -1,0 +1,247 @@
+"""FSDPState: the hooks of one ``fully_shard`` call, and the root's per-step bookkeeping.
+
+[Note: execution]
+Same shape as FSDP2. Forward pre-hook: unshard this group (one all-gather into the
+global storage), then start the next group's all-gather (prefetch, in the order
+recorded on the first step). Forward post-hook: reshard (free the global storage)
+unless this is the root or ``reshard_after_forward`` is False. Backward: a hook on
+the module's outputs unshards again, points the unsharded ``.grad``s at the flat
+gradient storage and prefetches the previous group; an autograd function on the
+module's inputs fires once its backward is done and starts the group's
+reduce-scatter (asynchronous). The root queues a final callback that reduces any
+group whose inputs needed no gradient (embeddings, the root itself), waits for
+every reduce-scatter, and sets the sharded ``.grad``s, with one small all-reduce
+that tells every rank which parameters received a gradient on any rank.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.autograd import Variable
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+
+from raggedfsdp.fsdp._param_group import ParamGroup
+from raggedfsdp.fsdp._policy import MixedPrecisionPolicy
+
+__all__ = ["FSDPState", "TrainingState"]
+
+
+class TrainingState(enum.Enum):
+    IDLE = "idle"
+    FORWARD = "forward"
+    PRE_BACKWARD = "pre_backward"
+    POST_BACKWARD = "post_backward"
+
+
+class FSDPState:
+    def __init__(
+        self,
+        module: nn.Module,
+        group: ParamGroup | None,
+        mesh,
+        mp_policy: MixedPrecisionPolicy,
+        reshard_after_forward: bool | int,
+    ):
+        self.module = module
+        self.group = group
+        self.mesh = mesh
+        self.mp_policy = mp_policy
+        self.reshard_after_forward = reshard_after_forward
+        self.reshard_after_backward = True
+        self._keep_group = _post_forward_group(mesh, reshard_after_forward)
+        self.training_state = TrainingState.IDLE
+        self.is_root: bool | None = None
+        self.root: FSDPState | None = None
+        self.forward_prefetch: list[FSDPState] | None = None  # explicit, else recorded order
+        self.backward_prefetch: list[FSDPState] | None = None
+        self._pending_post_backward = 0
+        # root only
+        self._states: list[FSDPState] = []
+        self._forward_order: list[FSDPState] = []
+        self._recording = True
+        self._callback_queued = False
+        module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
+        module.register_forward_hook(self._post_forward, with_kwargs=True)
+
+    # ---- root -----------------------------------------------------------------------------
+    def _lazy_init(self) -> None:
+        from raggedfsdp.fsdp._api import _state_of  # the states of the module tree
+
+        self.is_root = True
+        self.root = self
+        self._states = [s for m in self.module.modules() if (s := _state_of(m)) is not None]
+        for s in self._states:
+            if s is not self:
+                if s.is_root:
+                    raise RuntimeError(
+                        "fully_shard: a module that already ran forward as the root was nested "
+                        "under another fully_shard module; apply fully_shard bottom-up before "
+                        "the first forward"
+                    )
+                s.is_root, s.root = False, self
+
+    def _next_in_order(self, step: int) -> FSDPState | None:
+        order = self.root._forward_order
+        if self.root._recording or self not in order:
+            return None
+        i = order.index(self) + step
+        return order[i] if 0 <= i < len(order) else None
+
+    # ---- forward --------------------------------------------------------------------------
+    def _pre_forward(self, module, args, kwargs):
+        if self.is_root is None:
+            self._lazy_init()
+        root = self.root
+        if root._recording and self not in root._forward_order:
+            root._forward_order.append(self)
+        elif self.is_root:
+            root._recording = False
+        self.training_state = TrainingState.FORWARD
+        if self.mp_policy.cast_forward_inputs and self.mp_policy.param_dtype is not None:
+            args, kwargs = _cast_floats((args, kwargs), self.mp_policy.param_dtype)
+        if self.group is not None:
+            self.group.unshard()
+            self.group.wait_for_unshard()
+        for nxt in self._prefetch_targets(forward=True):
+            nxt.group.unshard(async_op=True)
+        if torch.is_grad_enabled():
+            args, kwargs = self._register_post_backward(args, kwargs)
+        return args, kwargs
+
+    def _post_forward(self, module, args, kwargs, output):
+        if self.group is not None and not self.is_root and self.reshard_after_forward is not False:
+            self.group.reshard(keep_group=self._keep_group)
+        if torch.is_grad_enabled():
+            output = self._register_pre_backward(output)
+        if self.mp_policy.output_dtype is not None:
+            output = _cast_floats(output, self.mp_policy.output_dtype)
+        self.training_state = TrainingState.IDLE
+        return output
+
+    def _prefetch_targets(self, forward: bool) -> list[FSDPState]:
+        explicit = self.forward_prefetch if forward else self.backward_prefetch
+        if explicit is not None:
+            targets = explicit
+        else:
+            nxt = self._next_in_order(1 if forward else -1)
+            targets = [nxt] if nxt is not None else []
+        return [t for t in targets if t.group is not None]
+
+    # ---- backward -------------------------------------------------------------------------
+    def _register_pre_backward(self, output):
+        flat, spec = tree_flatten(output)
+        hooked = False
+        for t in flat:
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                t.register_hook(self._pre_backward)
+                hooked = True
+        if not hooked:
+            return output
+        return tree_unflatten(flat, spec)
+
+    def _pre_backward(self, grad):
+        root = self.root
+        if not root._callback_queued:
+            root._callback_queued = True
+            Variable._execution_engine.queue_callback(root._final_callback)
+        if self.training_state is not TrainingState.PRE_BACKWARD:
+            self.training_state = TrainingState.PRE_BACKWARD
+            if self.group is not None:
+                self.group.unshard()
+                self.group.wait_for_unshard()
+                self.group.prepare_grads()
+            for prev in self._prefetch_targets(forward=False):
+                prev.group.unshard(async_op=True)
+        return grad
+
+    def _register_post_backward(self, args, kwargs):
+        flat, spec = tree_flatten((args, kwargs))
+        idx = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not idx:
+            return args, kwargs
+        outs = _PostBackward.apply(self, *[flat[i] for i in idx])
+        for i, t in zip(idx, outs):
+            flat[i] = t
+        self._pending_post_backward += 1
+        return tree_unflatten(flat, spec)
+
+    def _post_backward(self) -> None:
+        self._pending_post_backward -= 1
+        if self._pending_post_backward == 0 and self.group is not None:
+            if self.group.needs_post_backward:
+                self.training_state = TrainingState.POST_BACKWARD
+                self.group.post_backward(reshard=self.reshard_after_backward)
+
+    def _final_callback(self) -> None:
+        """End of backward (root only): reduce the rest, wait, set the sharded grads."""
+        for s in self._states:
+            s._pending_post_backward = 0
+            if s.group is not None and s.group.needs_post_backward:
+                s.group.post_backward(reshard=s.reshard_after_backward)
+            elif s.group is not None and s.reshard_after_backward:
+                s.group.reshard()
+            s.training_state = TrainingState.IDLE
+        pending = [s.group for s in self._states if s.group is not None and s.group.reduce_pending]
+        if pending:
+            flags = torch.tensor(
+                [f for g in pending for f in g.local_grad_flags()], dtype=torch.uint8
+            )
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=pending[0].process_group)
+            flags = flags.bool().tolist()
+            for g in pending:
+                n = len(g.refs)
+                g.finalize_grads(flags[:n])
+                flags = flags[n:]
+        self._callback_queued = False
+
+
+class _PostBackward(torch.autograd.Function):
+    """Identity on a module's inputs; its backward runs once the module's backward is done."""
+
+    @staticmethod
+    def forward(ctx, state: FSDPState, *inputs):
+        ctx.state = state
+        return inputs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.state._post_backward()
+        return (None, *grads)
+
+
+def _cast_floats(tree, dtype: torch.dtype):
+    def cast(t):
+        if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != dtype:
+            return t.to(dtype)
+        return t
+
+    return tree_map(cast, tree)
+
+
+def _post_forward_group(mesh, reshard_after_forward):
+    """``(process group, position, size)`` for ``reshard_after_forward=int``, else None."""
+    if isinstance(reshard_after_forward, bool):
+        return None
+    m = mesh.size(0)
+    k = reshard_after_forward
+    if not isinstance(k, int) or k < 1 or k > m or m % k:
+        raise ValueError(
+            f"fully_shard: reshard_after_forward={k!r}: an int must be a factor of the mesh "
+            f"size {m} (the group size to keep parameters sharded over after forward); "
+            "pass True, False or a factor"
+        )
+    if k in (1, m):
+        return None  # 1 behaves as False and m as True (as in FSDP2); see fully_shard
+    # Groups of k consecutive ranks; rank r keeps the global slice of position r % k.
+    ranks = mesh.mesh.flatten().tolist()
+    mine = None
+    for start in range(0, m, k):
+        members = ranks[start : start + k]
+        pg = dist.new_group(members)
+        if dist.get_rank() in members:
+            mine = (pg, members.index(dist.get_rank()), k)
+    return mine
