@@ -4,16 +4,18 @@ Dims are awkward on purpose so that block-aware sharding meets uneven cases: voc
 (the byte-level data uses ids 0..255; the rest are simply never seen), hidden 96,
 3 heads over 1 kv head, FFN widths that are not powers of two, 6 experts with top-2.
 
-=============  =====  ====  ======  =====  ======  =========================
-name           dim    blks  heads   ffn    E x F   params
-=============  =====  ====  ======  =====  ======  =========================
-llama-tiny     96     2     3 / 1   260    -       see ``num_params``
-llama-small    192    4     6 / 2   516    -
-moe-tiny       96     2     3 / 1   260    6 x 44  block 0 dense, block 1 MoE
-moe-small      192    4     6 / 2   516    6 x 88  + 1 shared expert
-=============  =====  ====  ======  =====  ======  =========================
+===============  ===  ======  =======  ===  ======  =========  ==============================
+name             dim  blocks  q / kv   ffn  E x F   params     notes
+===============  ===  ======  =======  ===  ======  =========  ==============================
+llama-tiny       96   2       3 / 1    260  -         391,584
+llama-tiny-tied  96   2       3 / 1    260  -         295,488  output tied to tok_embeddings
+llama-small      192  4       6 / 2    516  -       1,968,192
+moe-tiny         96   2       3 / 1    260  6 x 44    393,312  block 0 dense, block 1 MoE
+moe-small        192  4       6 / 2    516  6 x 88  2,144,448  blocks 1-3 MoE + 1 shared
+===============  ===  ======  =======  ===  ======  =========  ==============================
 
-``llama-tiny-tied`` is ``llama-tiny`` with the output head tied to the embedding.
+Heads are 32 wide; MoE blocks route each token to its top 2 of 6 experts.
+
 Importing this module adds the configs to ``catalogue.CATALOGUE`` (``raggedfsdp.models``
 imports it), so ``get_config("llama-tiny")`` and ``--model llama-tiny`` find them.
 """

@@ -95,23 +95,22 @@ class RMSNorm(nn.Module):
         return xf.type_as(x) * self.weight
 
 
-def rotary_tables(seq_len: int, head_dim: int, theta: float, device=None) -> Tensor:
-    """Rotary angles as ``(seq_len, head_dim // 2, 2)``: ``[..., 0]`` cos, ``[..., 1]`` sin."""
-    inv_freq = 1.0 / theta ** (
-        torch.arange(0, head_dim, 2, device=device, dtype=torch.float64) / head_dim
-    )
-    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float64), inv_freq)
-    return torch.stack((angles.cos(), angles.sin()), dim=-1).float()
+def rotary_table(seq_len: int, head_dim: int, theta: float) -> Tensor:
+    """Rotations ``exp(i pos theta^(-2j / head_dim))``: complex64 ``(seq_len, head_dim // 2)``.
+
+    Complex on purpose: a mixed-precision policy that casts floating-point forward
+    inputs (FSDP2's ``cast_forward_inputs``) leaves a complex table in full precision.
+    """
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    angles = torch.outer(torch.arange(seq_len, dtype=torch.float64), inv_freq)
+    return torch.polar(torch.ones_like(angles), angles).to(torch.complex64)
 
 
 def apply_rotary(x: Tensor, rope: Tensor) -> Tensor:
-    """Rotate consecutive pairs of ``x`` (B, S, heads, hd) by ``rope`` (>= S, hd/2, 2)."""
+    """Rotate consecutive pairs of ``x`` (B, S, heads, hd) by ``rope`` (>= S, hd/2), in fp32."""
     B, S, H, hd = x.shape
-    xp = x.float().reshape(B, S, H, hd // 2, 2)
-    cos = rope[:S, None, :, 0]  # (S, 1, hd/2)
-    sin = rope[:S, None, :, 1]
-    x0, x1 = xp[..., 0], xp[..., 1]
-    out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
+    xc = torch.view_as_complex(x.float().reshape(B, S, H, hd // 2, 2))  # (B, S, H, hd/2)
+    out = torch.view_as_real(xc * rope[:S, None, :])  # (B, S, H, hd/2, 2)
     return out.reshape(B, S, H, hd).type_as(x)
 
 
@@ -301,7 +300,7 @@ class Transformer(nn.Module):
                 self.output.weight = self.tok_embeddings.weight
             assert c.head_dim is not None
             # Derived, not state: recomputed by init_weights, never saved.
-            rope = torch.empty(max_seq_len, c.head_dim // 2, 2)  # (S, hd/2, [cos, sin])
+            rope = torch.empty(max_seq_len, c.head_dim // 2, dtype=torch.complex64)  # (S, hd/2)
             self.register_buffer("rope", rope, persistent=False)
         if device.type != "meta":
             self.to_empty(device=device)
@@ -323,7 +322,12 @@ class Transformer(nn.Module):
         h = self.tok_embeddings(tokens)  # (B, S, D)
         for layer in self.layers:
             h = layer(h, self.rope)
-        return self.output(self.norm(h))
+        h = self.norm(h)
+        if self.config.tie_embeddings:
+            # One unit-scale embedding serves both ends: as T5 does with a tied head, scale
+            # the head's input so that logits start at unit scale (and SGD stays stable).
+            h = h * self.config.dim**-0.5
+        return self.output(h)
 
     # --- initialisation ------------------------------------------------------------------
     @torch.no_grad()
@@ -342,9 +346,7 @@ class Transformer(nn.Module):
             # nn.Module.to_empty() replaces each module's parameter separately, which unties
             # a plain (unsharded) model; tie again.
             self.output.weight = self.tok_embeddings.weight
-        self.rope.copy_(
-            rotary_tables(self.max_seq_len, c.head_dim, self.rope_theta).to(self.rope.device)
-        )
+        self.rope.copy_(rotary_table(self.max_seq_len, c.head_dim, self.rope_theta))
         for fqn, param in self.named_parameters():
             _write_full(param, _init_value(fqn, tuple(param.shape), c, seed))
 
@@ -356,15 +358,15 @@ class Transformer(nn.Module):
 def _init_std(fqn: str, c: TransformerConfig) -> float | None:
     """Std of the truncated normal for ``fqn``; None for norm scales (ones) and biases (zeros).
 
-    torchtitan's scheme: 0.02 for inputs projections, a depth-scaled 0.02 / sqrt(2 (i + 1))
+    torchtitan's scheme: 0.02 for input projections, a depth-scaled 0.02 / sqrt(2 (i + 1))
     for the projections that write the residual stream, dim^-1/2 for the output head, and
-    1.0 for an untied embedding (dim^-1/2 when tied, since it is the head too).
+    1.0 for the embedding (tied too: ``forward`` then scales the head's input by dim^-1/2).
     """
     name = fqn.rsplit(".", 1)[-1]
     if "norm." in fqn or name == "bias":
         return None
     if fqn == "tok_embeddings.weight":
-        return c.dim**-0.5 if c.tie_embeddings else 1.0
+        return 1.0
     if fqn == "output.weight":
         return c.dim**-0.5
     layer = int(fqn.split(".")[1])
