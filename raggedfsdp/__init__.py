@@ -1,23 +1,33 @@
-"""raggedfsdp: block-aware fully sharded data parallelism for PyTorch."""
+"""raggedfsdp: block-aware fully sharded data parallelism for PyTorch.
 
-from raggedfsdp import _dtensor_ext
-from raggedfsdp.placement import RaggedShard
+The public names load on first use, so ``import raggedfsdp.planner`` (pure Python)
+does not import torch. Importing ``RaggedShard`` (or anything that needs it)
+installs the DTensor hooks of ``raggedfsdp._dtensor_ext``.
+"""
 
-_dtensor_ext.install()
+from __future__ import annotations
 
-from raggedfsdp.fsdp import (  # noqa: E402  (after the DTensor hooks are in place)
-    BlockPolicy,
-    FSDPModule,
-    MixedPrecisionPolicy,
-    UnshardHandle,
-    fully_shard,
-)
+import importlib
 
-__all__ = [
-    "BlockPolicy",
-    "FSDPModule",
-    "MixedPrecisionPolicy",
-    "RaggedShard",
-    "UnshardHandle",
-    "fully_shard",
-]
+_EXPORTS = {
+    "RaggedShard": "raggedfsdp.placement",
+    "BlockPolicy": "raggedfsdp.fsdp",
+    "FSDPModule": "raggedfsdp.fsdp",
+    "MixedPrecisionPolicy": "raggedfsdp.fsdp",
+    "UnshardHandle": "raggedfsdp.fsdp",
+    "fully_shard": "raggedfsdp.fsdp",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'raggedfsdp' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(list(globals()) + __all__)

@@ -20,7 +20,8 @@ patched                                what it does for RaggedShard
 ``__get_tensor_shard__``
 =====================================  ==============================================
 
-The patches are installed once, by ``install()``, when ``raggedfsdp`` is imported,
+The patches are installed once, by ``install()``, when this module is imported (as
+``RaggedShard`` is: ``from raggedfsdp import RaggedShard`` or ``fully_shard``),
 and only on the torch versions in ``_SUPPORTED_TORCH``; anything else refuses to
 import rather than risk silently wrong results. Torch's
 ``distribute_tensor`` keeps its function object (names bound before ``import
@@ -647,3 +648,6 @@ def install() -> None:
     DTensor.__create_chunk_list__ = _create_chunk_list
     DTensor.__get_tensor_shard__ = _get_tensor_shard
     _installed = True
+
+
+install()

@@ -162,3 +162,7 @@ class RaggedShard(Placement):
         start, end = self.local_row_range(full.shape, rank)
         rows = full.reshape(self.num_rows(full.shape), *full.shape[len(self.dims) :])
         return rows[start:end]
+
+
+# A RaggedShard is only usable with its DTensor hooks: importing the module installs them.
+from raggedfsdp import _dtensor_ext  # noqa: E402, F401  (needs RaggedShard defined above)
