@@ -16,12 +16,18 @@ _EXPORTS = {
     "MixedPrecisionPolicy": "raggedfsdp.fsdp",
     "UnshardHandle": "raggedfsdp.fsdp",
     "fully_shard": "raggedfsdp.fsdp",
+    "clip_grad_norm_": "raggedfsdp.fsdp",
 }
 
 __all__ = sorted(_EXPORTS)
 
 
+_SUBPACKAGES = {"fsdp", "optim", "planner", "models", "train", "profiling", "checkpoint"}
+
+
 def __getattr__(name: str):
+    if name in _SUBPACKAGES:
+        return importlib.import_module(f"raggedfsdp.{name}")
     if name not in _EXPORTS:
         raise AttributeError(f"module 'raggedfsdp' has no attribute {name!r}")
     value = getattr(importlib.import_module(_EXPORTS[name]), name)

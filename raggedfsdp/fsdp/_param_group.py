@@ -9,13 +9,22 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.utils.weak import WeakIdKeyDictionary
 
 from raggedfsdp.dbuffer import DBuffer
 from raggedfsdp.fsdp._policy import MixedPrecisionPolicy, resolve_block_rows
 from raggedfsdp.placement import RaggedShard
 from raggedfsdp.planner import TensorSpec, plan_buffer
 
-__all__ = ["ParamGroup", "ParamRef", "ShardedState"]
+__all__ = ["ParamGroup", "ParamRef", "ShardedState", "owner_of"]
+
+# sharded parameter -> (its group, its ref); how optimizers and group ops find buffers
+_OWNERS = WeakIdKeyDictionary()
+
+
+def owner_of(param: torch.Tensor) -> tuple[ParamGroup, ParamRef] | None:
+    """The ``(ParamGroup, ParamRef)`` of a sharded parameter, or None for other tensors."""
+    return _OWNERS.get(param)
 
 
 class ShardedState(enum.Enum):
@@ -116,6 +125,7 @@ class ParamGroup:
             ref.sharded = nn.Parameter(dt, requires_grad=ref.requires_grad)
         else:  # re-point an existing parameter (after to_empty / _apply), keeping its identity
             ref.sharded._local_tensor = dt._local_tensor
+        _OWNERS[ref.sharded] = (self, ref)
 
     def reset_after_apply(self) -> None:
         """Rebuild the storages after ``Module._apply`` (``to_empty``, ``to``, ``float``).
@@ -268,6 +278,9 @@ class ParamGroup:
             if ref.unsharded is not None:
                 ref.unsharded.grad = None
             if not ref.requires_grad or not any_rank_got_grad:
+                if not direct and ref.sharded.grad is None:
+                    # keep the buffer's norm exact: no stale values where .grad is None
+                    self.dbuf.shard_grad_view(ref.fqn).zero_()
                 continue
             if ref.sharded_grad is None:
                 ref.sharded_grad = DTensor.from_local(

@@ -1,0 +1,112 @@
+"""Group operations: one kernel per buffer instead of one per parameter.
+
+``buffers_of(params)`` splits a parameter list into whole DBuffers (every parameter
+of the buffer is in the list) and the rest, handled per tensor. A whole buffer's
+element-wise work runs on its flat shard storage: padding elements hold zeros in
+the gradient and never change the result.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from raggedfsdp.fsdp._param_group import ParamGroup, owner_of
+
+__all__ = ["buffers_of", "clip_grad_norm_"]
+
+
+def buffers_of(params: Iterable[torch.Tensor]) -> tuple[list[ParamGroup], list[torch.Tensor]]:
+    """``(groups whose every parameter is in params, the other parameters)``."""
+    params = list(params)
+    by_group: dict[int, tuple[ParamGroup, list]] = {}
+    rest = []
+    for p in params:
+        owner = owner_of(p)
+        if owner is None:
+            rest.append(p)
+            continue
+        group, _ = owner
+        by_group.setdefault(id(group), (group, []))[1].append(p)
+    whole = []
+    for group, members in by_group.values():
+        trainable = sum(ref.requires_grad for ref in group.refs)  # frozen ones hold zero grads
+        if len({id(p) for p in members}) == trainable:
+            whole.append(group)
+        else:
+            rest.extend(members)
+    return whole, rest
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+@torch.no_grad()
+def clip_grad_norm_(
+    parameters: Iterable[torch.Tensor] | torch.nn.Module,
+    max_norm: float,
+    norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
+) -> torch.Tensor:
+    """Clip gradients to a global norm: one norm per buffer plus one all-reduce.
+
+    Same contract as ``torch.nn.utils.clip_grad_norm_`` for sharded parameters
+    (raggedfsdp's and other DTensors) and replicated plain tensors.
+
+    Args:
+        parameters: parameters (or a module whose parameters) to clip.
+        max_norm: the largest allowed norm.
+        norm_type: the p of the p-norm; ``inf`` for the max norm. Default 2.
+        error_if_nonfinite: raise if the total norm is nan or inf. Default False.
+
+    Returns:
+        The total norm of all gradients, a 0-d tensor (the same on every rank).
+    """
+    if isinstance(parameters, torch.nn.Module):
+        parameters = parameters.parameters()
+    params = [p for p in parameters if p.grad is not None]
+    norm_type = float(norm_type)
+    groups, rest = buffers_of(params)
+    sharded = [_local(g.dbuf.shard_grad) for g in groups]  # 1D, S elements each
+    sharded += [_local(p.grad) for p in rest if isinstance(p.grad, DTensor)]
+    replicated = [p.grad for p in rest if not isinstance(p.grad, DTensor)]
+
+    def norms(tensors):
+        return [torch.linalg.vector_norm(t.float(), norm_type) for t in tensors if t.numel()]
+
+    if math.isinf(norm_type):
+        part = max((n.item() for n in norms(sharded)), default=0.0)
+        total = torch.tensor(part)
+        if sharded and dist.is_initialized():
+            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=_process_group(groups))
+        total = torch.stack([total, *norms(replicated)]).max()
+    else:
+        part = (
+            torch.stack([n**norm_type for n in norms(sharded)]).sum()
+            if sharded
+            else torch.zeros(())
+        )
+        if groups or any(isinstance(p.grad, DTensor) for p in rest):
+            dist.all_reduce(part, group=_process_group(groups))
+        rep = sum((n**norm_type for n in norms(replicated)), torch.zeros(()))
+        total = (part + rep) ** (1.0 / norm_type)
+    if error_if_nonfinite and not torch.isfinite(total):
+        raise RuntimeError(
+            f"clip_grad_norm_: the total norm of order {norm_type} is non-finite ({total.item()}); "
+            "pass error_if_nonfinite=False to clip anyway"
+        )
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for g in groups:
+        g.dbuf.shard_grad.mul_(coef.to(g.dbuf.shard_grad.dtype))
+    for p in rest:
+        _local(p.grad).mul_(coef.to(p.grad.dtype))
+    return total
+
+
+def _process_group(groups: list[ParamGroup]):
+    return groups[0].process_group if groups else None

@@ -1,0 +1,5 @@
+"""Optimizers that work on whole raggedfsdp buffers."""
+
+from raggedfsdp.optim.adamw import AdamW
+
+__all__ = ["AdamW"]

@@ -1,0 +1,283 @@
+"""fully_shard beyond SGD parity: AdamW against FSDP2's drift, the flat AdamW and
+clip_grad_norm_, mixed precision against FSDP2, FSDPModule methods, state dicts,
+frozen / unused parameters, a module called twice, and every user-facing error."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMP
+from torch.distributed.fsdp import fully_shard as torch_fully_shard
+from torch.distributed.tensor import DTensor, init_device_mesh
+
+import raggedfsdp
+from raggedfsdp import BlockPolicy, MixedPrecisionPolicy, fully_shard
+from raggedfsdp.models import get_config
+from raggedfsdp.models.transformer import Transformer, lm_loss
+from tests.dist.test_fully_shard import SEQ, _micro_batches
+from tests.harness import run_cases, spawn
+
+MODEL = "moe-tiny"
+ADAM_STEPS = 6
+
+
+def _adamw(params, foreach=True):
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, foreach=foreach)
+
+
+def _shard(model, mesh, fn, **kw):
+    for block in model.transformer_blocks():
+        fn(block, mesh=mesh, **kw)
+    fn(model, mesh=mesh, **kw)
+    return model
+
+
+def _run(model, opt, rank, world, steps, clip=None):
+    losses = []
+    for step in range(steps):
+        ((x, y),) = _micro_batches(step, 1, rank, world)
+        loss = lm_loss(model(x), y)
+        loss.backward()
+        if clip is not None:
+            clip(model)
+        opt.step()
+        opt.zero_grad()
+        total = loss.detach().clone()
+        if dist.is_initialized() and world > 1:
+            dist.all_reduce(total)
+        losses.append(total.item() / world)
+    return losses
+
+
+def _reference_adamw(steps=ADAM_STEPS):
+    model = Transformer(get_config(MODEL), max_seq_len=SEQ, seed=0)
+    losses = _run(model, _adamw(model.parameters()), 0, 1, steps)
+    return losses, {k: v.detach().clone() for k, v in model.named_parameters()}
+
+
+def _max_drift(model, ref_params):
+    return max(
+        (p.full_tensor() - ref_params[n]).abs().max().item() for n, p in model.named_parameters()
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+def _check_adamw_against_fsdp2(mesh, rank, world, ref):
+    ref_losses, ref_params = ref
+    ours = _shard(Transformer(get_config(MODEL), max_seq_len=SEQ, seed=0), mesh, fully_shard)
+    theirs = _shard(
+        Transformer(get_config(MODEL), max_seq_len=SEQ, seed=0), mesh, torch_fully_shard
+    )
+    our_losses = _run(ours, _adamw(ours.parameters()), rank, world, ADAM_STEPS)
+    their_losses = _run(theirs, _adamw(theirs.parameters()), rank, world, ADAM_STEPS)
+    ours_drift, fsdp2_drift = _max_drift(ours, ref_params), _max_drift(theirs, ref_params)
+    loss_gap = max(abs(a - b) for a, b in zip(our_losses, ref_losses))
+    fsdp2_gap = max(abs(a - b) for a, b in zip(their_losses, ref_losses))
+    # AdamW amplifies reduction-order noise on near-zero gradients (its update is about
+    # lr * sign(g) there); FSDP2 shows how much. Both drifts are that noise: measured at
+    # 3 ranks, 4.02e-4 here and 3.93e-4 for FSDP2 (2 ranks: below FSDP2's). Which of two
+    # equal-sized noises is larger is a coin flip, so the bound is FSDP2's drift scale.
+    assert ours_drift <= 1.5 * max(fsdp2_drift, 1e-5), (ours_drift, fsdp2_drift)
+    assert loss_gap <= 1.5 * max(fsdp2_gap, 1e-5), (loss_gap, fsdp2_gap)
+
+
+def _check_flat_adamw_and_clip(mesh, rank, world):
+    """raggedfsdp.optim.AdamW + raggedfsdp.clip_grad_norm_ == torch's, on the same shards."""
+    a = _shard(Transformer(get_config(MODEL), max_seq_len=SEQ, seed=0), mesh, fully_shard)
+    b = _shard(Transformer(get_config(MODEL), max_seq_len=SEQ, seed=0), mesh, fully_shard)
+
+    def groups(m):  # the usual no-decay group for norms and biases: per-parameter decay
+        decay = [p for n, p in m.named_parameters() if p.dim() >= 2]
+        rest = [p for n, p in m.named_parameters() if p.dim() < 2]
+        return [{"params": decay}, {"params": rest, "weight_decay": 0.0}]
+
+    flat = raggedfsdp.optim.AdamW(groups(a), lr=1e-2, weight_decay=0.1)
+    torch_opt = torch.optim.AdamW(groups(b), lr=1e-2, weight_decay=0.1, foreach=False)
+    la = _run(a, flat, rank, world, ADAM_STEPS)
+    lb = _run(b, torch_opt, rank, world, ADAM_STEPS)
+    assert la == lb
+    for (n, p), q in zip(a.named_parameters(), b.parameters()):
+        assert torch.equal(p.full_tensor(), q.full_tensor()), n  # the same ops, the same bits
+    # one norm per buffer + one all-reduce == torch's per-parameter clip_grad_norm_
+    for model in (a, b):
+        ((x, y),) = _micro_batches(ADAM_STEPS, 1, rank, world)
+        lm_loss(model(x), y).backward()
+    for norm_type in (2.0, float("inf")):
+        ours = raggedfsdp.clip_grad_norm_(a.parameters(), 0.05, norm_type=norm_type)
+        theirs = nn.utils.clip_grad_norm_(b.parameters(), 0.05, norm_type=norm_type)
+        torch.testing.assert_close(ours, theirs.full_tensor(), rtol=1e-6, atol=0)
+        for (n, p), q in zip(a.named_parameters(), b.parameters()):
+            torch.testing.assert_close(p.grad.full_tensor(), q.grad.full_tensor(), msg=n)
+
+
+def _grid_optim(rank, world, ref):
+    mesh = init_device_mesh("cpu", (world,))
+    run_cases(
+        {
+            "adamw vs fsdp2 drift": partial(_check_adamw_against_fsdp2, mesh, rank, world, ref),
+            "flat adamw + clip": partial(_check_flat_adamw_and_clip, mesh, rank, world),
+        }
+    )
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_adamw_and_group_ops(world):
+    spawn(world, _grid_optim, _reference_adamw(), timeout=600)
+
+
+# ---------------------------------------------------------------------------------------------
+def _check_mixed_precision(mesh, rank, world):
+    kw = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    ours = _shard(
+        Transformer(get_config(MODEL), max_seq_len=SEQ, seed=0),
+        mesh,
+        fully_shard,
+        mp_policy=MixedPrecisionPolicy(**kw),
+    )
+    theirs = _shard(
+        Transformer(get_config(MODEL), max_seq_len=SEQ, seed=0),
+        mesh,
+        torch_fully_shard,
+        mp_policy=TorchMP(**kw),
+    )
+    for model in (ours, theirs):
+        model.losses = _run(model, torch.optim.SGD(model.parameters(), lr=0.2), rank, world, 8)
+    for p in ours.parameters():
+        assert p.dtype == torch.float32 and p.grad is None
+    gap = max(abs(a - b) for a, b in zip(ours.losses, theirs.losses))
+    assert gap <= 2e-2, f"bf16 losses differ from FSDP2's by {gap}: {ours.losses} {theirs.losses}"
+    for (n, p), q in zip(ours.named_parameters(), theirs.parameters()):
+        torch.testing.assert_close(p.full_tensor(), q.full_tensor(), rtol=2e-2, atol=2e-3, msg=n)
+
+
+class _Twice(nn.Module):
+    """Calls ``shared`` twice; ``unused`` gets no gradient; ``frozen`` needs none."""
+
+    def __init__(self):
+        super().__init__()
+        self.shared = nn.Linear(6, 6)
+        self.unused = nn.Linear(6, 6)
+        self.frozen = nn.Linear(6, 6)
+        self.frozen.requires_grad_(False)
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x):
+        return self.head(self.shared(torch.tanh(self.shared(self.frozen(x)))))
+
+
+def _check_twice_unused_frozen(mesh, rank, world):
+    torch.manual_seed(0)
+    ref = _Twice()
+    model = _Twice()
+    model.load_state_dict(ref.state_dict())
+    fully_shard(model.shared, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(4 * world, 6, generator=g)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.1)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    for _ in range(3):
+        ref(x).square().mean().backward()
+        model(x[rank * 4 : (rank + 1) * 4]).square().mean().backward()
+        for (n, p), q in zip(ref.named_parameters(), model.parameters()):
+            assert (p.grad is None) == (q.grad is None), n
+            if p.grad is not None:
+                torch.testing.assert_close(q.grad.full_tensor(), p.grad, msg=n)
+        ref_opt.step()
+        opt.step()
+        ref_opt.zero_grad()
+        opt.zero_grad()
+    for (n, p), q in zip(ref.named_parameters(), model.parameters()):
+        torch.testing.assert_close(q.full_tensor(), p.detach(), msg=n)
+
+
+def _check_module_methods(mesh, rank, world):
+    model = _shard(Transformer(get_config(MODEL), max_seq_len=SEQ, seed=0), mesh, fully_shard)
+    blocks = model.transformer_blocks()
+    # explicit prefetch and manual unshard / reshard
+    blocks[0].set_modules_to_forward_prefetch([blocks[1]])
+    blocks[1].set_modules_to_backward_prefetch([blocks[0]])
+    handle = blocks[0].unshard(async_op=True)
+    handle.wait()
+    assert not isinstance(blocks[0].attention.wq.weight, DTensor)  # unsharded: a plain view
+    blocks[0].reshard()
+    assert isinstance(blocks[0].attention.wq.weight, DTensor)
+    # gradient divide factor 1.0: gradients are summed over ranks instead of averaged
+    ((x, y),) = _micro_batches(0, 1, rank, world)
+    lm_loss(model(x), y).backward()
+    avg = {n: p.grad.full_tensor().clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    model.set_gradient_divide_factor(1.0)
+    lm_loss(model(x), y).backward()
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad.full_tensor(), avg[n] * world, msg=n)
+    # state dicts: sharded DTensors; load in place; a full state dict on request
+    sd = model.state_dict()
+    assert all(isinstance(v, DTensor) for k, v in sd.items() if k != "rope")
+    before = model.tok_embeddings.weight.to_local().data_ptr()
+    model.load_state_dict({k: v.clone() * 0.5 for k, v in sd.items()})
+    assert model.tok_embeddings.weight.to_local().data_ptr() == before  # still a buffer view
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    ref = Transformer(get_config(MODEL), max_seq_len=SEQ, seed=0)
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(full[k], v * 0.5, msg=k)
+
+
+def _grid_features(rank, world):
+    mesh = init_device_mesh("cpu", (world,))
+    run_cases(
+        {
+            "mixed precision vs fsdp2": partial(_check_mixed_precision, mesh, rank, world),
+            "twice / unused / frozen": partial(_check_twice_unused_frozen, mesh, rank, world),
+            "module methods + state dicts": partial(_check_module_methods, mesh, rank, world),
+        }
+    )
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_features(world):
+    spawn(world, _grid_features, timeout=600)
+
+
+# ---------------------------------------------------------------------------------------------
+def _check_errors(rank, world):
+    mesh = init_device_mesh("cpu", (world,))
+    lin = nn.Linear(8, 6)
+    fully_shard(lin, mesh=mesh)
+    with pytest.raises(ValueError, match=r"Linear was already passed to fully_shard"):
+        fully_shard(lin, mesh=mesh)
+    mesh2 = init_device_mesh("cpu", (world, 1))
+    with pytest.raises(ValueError, match=r"mesh must be 1-D, got a 2-D mesh of shape"):
+        fully_shard(nn.Linear(8, 6), mesh=mesh2)
+    with pytest.raises(
+        ValueError,
+        match=r"'weight' of shape \(6, 8\) has 6 rows, not a multiple of its block of 4 rows",
+    ):
+        fully_shard(
+            nn.Linear(8, 6), mesh=mesh, block_policy=BlockPolicy(rows=4, whole_if_fewer_rows=False)
+        )
+    with pytest.raises(
+        ValueError,
+        match=r"block_policy for parameter 'weight': a block must be a positive number of rows",
+    ):
+        fully_shard(nn.Linear(8, 6), mesh=mesh, block_policy=lambda fqn, p: 0)
+    with pytest.raises(ValueError, match=r"BlockPolicy 'rows': a block must be a positive"):
+        BlockPolicy(rows=-2)
+    with pytest.raises(ValueError, match=r"reshard_after_forward=5: an int must be a factor"):
+        fully_shard(nn.Linear(8, 6), mesh=mesh, reshard_after_forward=5)
+    with torch.device("meta"):
+        meta = nn.Linear(8, 6)
+    fully_shard(meta, mesh=mesh)
+    with pytest.raises(RuntimeError, match=r"still on the meta device; call module.to_empty"):
+        meta(torch.zeros(2, 8))
+    dist.barrier()
+
+
+def test_errors():
+    spawn(2, _check_errors)
