@@ -1,0 +1,876 @@
+"""Muon for RaggedShard parameters: whole-matrix Newton-Schulz on load-balanced root ranks.
+
+[Note: distributed Muon]
+Muon's update of a matrix is Newton-Schulz (NS) orthogonalisation of its momentum,
+which needs the *whole* matrix; everything else (momentum, weight decay, the
+update itself) is element-wise. So, per step:
+
+1. momentum and the Nesterov mix run on each rank's own rows (element-wise);
+2. every matrix (a 2-D parameter, or each member of an ``[E, out, in]`` stack)
+   has a root rank, chosen to balance NS FLOPs (``_muon_plan.assign_roots``);
+   the ranks holding its rows send them to the root: what
+   ``redistribute(mesh, [RaggedShard(dims, units with every block on the root)])``
+   does, one all-to-all;
+3. NS runs on the root; its result goes back to the holders (the inverse
+   redistribute), and each rank applies its rows of the update.
+
+A matrix that one rank holds whole (``muon_block_policy`` arranges this wherever
+the planner can do it cheaply) is rooted there and moves no byte. The others
+travel in rounds (see [Note: Muon roots] in ``_muon_plan``): one all-to-all per
+round carries the pieces of several matrices; all gathers are issued
+asynchronously up front, so the next rounds' pieces are in flight while the
+communication-free matrices and the current round compute, and each round's
+results travel back while the next round computes.
+
+Numbers: torch's NS starts with ``grad.bfloat16()``, and its result is bf16, so
+the pieces travel as bf16 (half the bytes of fp32) and the result is exactly
+torch's: the same NS (same ops, coefficients, steps, eps) on the same whole
+matrix, and element-wise ops that give the same bits on any slice. Parameters
+match ``torch.optim.Muon`` (+ ``torch.optim.AdamW`` for the rest) to rounding of
+the element-wise ops. One deliberate difference: torch's NS divides its input
+in place, which for bf16 parameters with ``nesterov=False`` scales the momentum
+buffer itself; here the NS input is always a copy.
+
+``distributed="replicated"`` is the baseline the paper improves on: every rank
+gathers every matrix (an all-gather, as the same all-to-all rounds) and runs
+every NS; no results travel back.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor, Replicate
+from torch.utils.weak import WeakIdKeyDictionary
+
+from raggedfsdp.fsdp._param_group import owner_of
+from raggedfsdp.fsdp._policy import BlockPolicy, BlockRows
+from raggedfsdp.optim._muon_plan import (
+    WholeMatrixPlan,
+    assign_roots,
+    comm_free_matrices,
+    ns_flops,
+    plan_rounds,
+    plan_whole_matrices,
+)
+from raggedfsdp.optim.adamw import _adam_math
+from raggedfsdp.placement import RaggedShard
+from raggedfsdp.planner import DEFAULT_ALIGNMENT_BYTES, WHOLE, TensorSpec
+
+__all__ = [
+    "Muon",
+    "MuonBlockPolicy",
+    "MuonStepStats",
+    "adjust_lr",
+    "default_use_muon",
+    "muon_block_policy",
+    "muon_param_groups",
+    "zeropower_via_newtonschulz",
+]
+
+# torch.optim.Muon's constants (Keller Jordan's Muon).
+EPS = 1e-7
+DEFAULT_NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+DEFAULT_NS_STEPS = 5
+_ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
+_DISTRIBUTED = ("root", "replicated")
+_MUON_KEYS = ("momentum", "nesterov", "ns_coefficients", "ns_steps", "adjust_lr_fn")
+_ADAMW_KEYS = ("betas",)
+_COMM = torch.bfloat16  # NS runs in bf16: pieces and results travel as bf16 (exact)
+
+
+# ---------------------------------------------------------------------------------------------
+# The math, as torch.optim.Muon has it
+# ---------------------------------------------------------------------------------------------
+def zeropower_via_newtonschulz(
+    x: Tensor, ns_coefficients: Sequence[float], ns_steps: int, eps: float
+) -> Tensor:
+    """Quintic Newton-Schulz orthogonalisation of a 2-D ``x``, as ``torch.optim.Muon``.
+
+    The same ops in the same order as torch's ``_zeropower_via_newtonschulz``: cast
+    to bf16, transpose a tall matrix, divide by the Frobenius norm (at least
+    ``eps``), ``ns_steps`` times ``X <- a X + (b A + c A A) X`` with ``A = X X^T``.
+
+    Args:
+        x: the matrix ``(rows, cols)``; a bf16 ``x`` is divided in place.
+        ns_coefficients: ``(a, b, c)``.
+        ns_steps: iterations (< 100).
+        eps: lower bound of the norm.
+
+    Returns:
+        The bf16 result ``(rows, cols)`` (a transposed view for a tall ``x``).
+    """
+    a, b, c = ns_coefficients
+    ortho = x.bfloat16()
+    tall = x.size(0) > x.size(1)
+    if tall:
+        ortho = ortho.T
+    ortho.div_(ortho.norm().clamp(min=eps))
+    for _ in range(ns_steps):
+        gram = ortho @ ortho.T
+        gram_update = torch.addmm(gram, gram, gram, beta=b, alpha=c)
+        ortho = torch.addmm(ortho, gram_update, ortho, beta=a)
+    return ortho.T if tall else ortho
+
+
+def adjust_lr(lr: float, adjust_lr_fn: str | None, rows: int, cols: int) -> float:
+    """Muon's learning rate for a ``rows x cols`` matrix, as ``torch.optim.Muon``.
+
+    ``None`` / ``"original"``: ``lr * sqrt(max(1, rows / cols))`` (Keller Jordan);
+    ``"match_rms_adamw"``: ``lr * 0.2 * sqrt(max(rows, cols))`` (Moonshot).
+    """
+    if adjust_lr_fn is None or adjust_lr_fn == "original":
+        ratio = math.sqrt(max(1, rows / cols))
+    elif adjust_lr_fn == "match_rms_adamw":
+        ratio = 0.2 * math.sqrt(max(rows, cols))
+    else:
+        ratio = 1.0
+    return lr * ratio
+
+
+_ADAMW_NAMES = frozenset({"tok_embeddings", "embed_tokens", "embeddings", "wte", "wpe"})
+_HEAD_NAMES = frozenset({"output", "lm_head"})
+
+
+def default_use_muon(fqn: str, param) -> bool:
+    """Whether ``param`` (named ``fqn``) is a hidden-layer matrix for Muon.
+
+    The common split: 2-D matrices and 3-D ``[E, out, in]`` stacks go to Muon;
+    embeddings (``tok_embeddings``, ``embed_tokens``, ``wte``, ...), the output head
+    (``output``, ``lm_head``), biases, norms and other vectors go to AdamW.
+
+    Args:
+        fqn: the parameter's name (``""`` when unknown: the shape alone decides).
+        param: a tensor, or anything with a ``.shape``.
+    """
+    if len(param.shape) not in (2, 3):
+        return False
+    parts = fqn.split(".") if fqn else []
+    if any(p in _ADAMW_NAMES or p in _HEAD_NAMES for p in parts):
+        return False
+    return not (parts and parts[-1].endswith("bias"))
+
+
+def muon_param_groups(
+    model: nn.Module, *, use_muon: Callable[[str, Tensor], bool] = default_use_muon, **adamw
+) -> list[dict]:
+    """Split ``model``'s trainable parameters into a Muon group and an AdamW group.
+
+    Args:
+        model: the model (before or after ``fully_shard``).
+        use_muon: ``(fqn, param) -> bool``. Default ``default_use_muon``.
+        **adamw: hyperparameters of the AdamW group (``lr=3e-4``, ...).
+
+    Returns:
+        ``[{"params": [...], "use_muon": True}, {"params": [...], "use_muon": False, ...}]``
+        (empty groups left out), for ``Muon``.
+    """
+    muon, other = [], []
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            (muon if use_muon(name, p) else other).append(p)
+    groups = []
+    if muon:
+        groups.append({"params": muon, "use_muon": True})
+    if other:
+        groups.append({"params": other, "use_muon": False, **adamw})
+    return groups
+
+
+def _local(t: Tensor) -> Tensor:
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def _name_of(p: Tensor, fallback: str) -> str:
+    owner = owner_of(p)
+    return owner[1].fqn if owner is not None else fallback
+
+
+# ---------------------------------------------------------------------------------------------
+# The step plan: matrices, roots, rounds (identical on every rank)
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Matrix:
+    item: int  # index of its parameter among the step's sharded Muon parameters
+    start: int  # first element in the flattened parameter
+    shape: tuple[int, int]  # (rows, cols) of the matrix
+    pieces: tuple[tuple[int, int], ...]  # per rank, [lo, hi) elements of the parameter
+
+    @property
+    def numel(self) -> int:
+        return self.shape[0] * self.shape[1]
+
+    def held(self, rank: int) -> int:
+        lo, hi = self.pieces[rank]
+        return hi - lo
+
+
+@dataclass
+class _Exchange:
+    """One all-to-all of one rank: what it sends and receives, in order."""
+
+    send: list[tuple[int, int]] = field(default_factory=list)  # (matrix, rank of the piece)
+    recv: list[tuple[int, int]] = field(default_factory=list)  # (matrix, rank of the piece)
+    send_splits: list[int] = field(default_factory=list)  # elements per peer
+    recv_splits: list[int] = field(default_factory=list)
+
+
+@dataclass
+class _Round:
+    matrices: list[int]
+    gather: _Exchange
+    scatter: _Exchange | None  # None for the replicated baseline
+
+
+@dataclass
+class _Plan:
+    matrices: list[_Matrix]
+    roots: list[int]
+    load: list[float]  # NS FLOPs per rank
+    local: list[int]  # matrices this rank roots that need no communication
+    rounds: list[_Round]
+
+
+def _exchange(matrices, rnd, me, world, src_ok, dst_ok, piece_rank) -> _Exchange:
+    """Segments of one all-to-all: rank s sends piece ``piece_rank(m, s, d)`` of m to d."""
+    ex = _Exchange()
+    for peer in range(world):
+        n_send = n_recv = 0
+        for i in rnd:
+            m = matrices[i]
+            if peer != me and src_ok(i, me, peer):
+                pr = piece_rank(i, me, peer)
+                if m.held(pr):
+                    ex.send.append((i, pr))
+                    n_send += m.held(pr)
+            if peer != me and dst_ok(i, peer, me):
+                pr = piece_rank(i, peer, me)
+                if m.held(pr):
+                    ex.recv.append((i, pr))
+                    n_recv += m.held(pr)
+        ex.send_splits.append(n_send)
+        ex.recv_splits.append(n_recv)
+    return ex
+
+
+def _build_plan(
+    matrices: list[_Matrix], flops: list[float], world: int, me: int, mode: str, per_round: int
+) -> _Plan:
+    held = [[m.held(r) for r in range(world)] for m in matrices]
+    roots, load = assign_roots(flops, held, world)
+    if mode == "replicated":
+        order = list(range(len(matrices)))
+        chunk = world * per_round
+        rounds = []
+        for k in range(0, len(order), chunk):
+            rnd = order[k : k + chunk]
+
+            def every(i, src, dst):
+                return True
+
+            gather = _exchange(matrices, rnd, me, world, every, every, lambda i, s, d: s)
+            rounds.append(_Round(rnd, gather, None))
+        load = [float(sum(flops))] * world
+        return _Plan(matrices, roots, load, [], rounds)
+    needs_comm = [i for i in range(len(matrices)) if sum(h > 0 for h in held[i]) > 1]
+    local = [i for i in range(len(matrices)) if roots[i] == me and i not in set(needs_comm)]
+    order = sorted(needs_comm, key=lambda i: (-flops[i], i))
+    rounds = []
+    for rnd in plan_rounds(order, roots, world, per_round):
+
+        def to_root(i, src, dst):
+            return dst == roots[i]
+
+        def from_root(i, src, dst):
+            return src == roots[i]
+
+        gather = _exchange(matrices, rnd, me, world, to_root, to_root, lambda i, s, d: s)
+        scatter = _exchange(matrices, rnd, me, world, from_root, from_root, lambda i, s, d: d)
+        rounds.append(_Round(rnd, gather, scatter))
+    return _Plan(matrices, roots, load, local, rounds)
+
+
+@dataclass
+class MuonStepStats:
+    """What the last ``Muon.step`` did on this rank.
+
+    Args:
+        bytes_sent, bytes_received: bytes this rank sent / received for NS.
+        collectives: all-to-alls issued.
+        ns_seconds: wall time of this rank's Newton-Schulz.
+        wait_seconds: wall time spent waiting for communication.
+        ns_flops: NS FLOPs on this rank (planned).
+        ns_flops_per_rank: planned NS FLOPs of every rank (the load balance).
+        matrices: Muon matrices stepped (all ranks).
+        rooted: matrices whose NS ran on this rank.
+        comm_free: matrices held whole by one rank (no communication).
+    """
+
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    collectives: int = 0
+    ns_seconds: float = 0.0
+    wait_seconds: float = 0.0
+    ns_flops: float = 0.0
+    ns_flops_per_rank: list[float] = field(default_factory=list)
+    matrices: int = 0
+    rooted: int = 0
+    comm_free: int = 0
+
+
+# ---------------------------------------------------------------------------------------------
+# The optimizer
+# ---------------------------------------------------------------------------------------------
+class Muon(torch.optim.Optimizer):
+    """Muon for matrices and stacks of matrices, AdamW for the rest; RaggedShard-aware.
+
+    Parameter groups carry ``use_muon``: ``True`` groups get Muon with the
+    hyperparameters of ``torch.optim.Muon`` (``lr, weight_decay, momentum,
+    nesterov, ns_coefficients, eps, ns_steps, adjust_lr_fn``); ``False`` groups get
+    AdamW (``lr, betas, eps, weight_decay``; defaults from the ``adamw_*``
+    arguments). A group without ``use_muon`` is split by ``use_muon(fqn, param)``
+    (the fqn is known for parameters sharded by ``fully_shard``, and relative to
+    the module passed to it; pass ``muon_param_groups(model)`` to split by full
+    names). Parameters sharded by ``fully_shard`` (``RaggedShard`` DTensors) get
+    distributed Newton-Schulz, see [Note: distributed Muon]; plain tensors and
+    ``Replicate`` DTensors are whole on every rank and computed there.
+
+    Args:
+        params: parameters or parameter groups.
+        lr: Muon learning rate. Default 1e-3.
+        weight_decay: Muon decoupled weight decay. Default 0.1.
+        momentum: Muon momentum. Default 0.95.
+        nesterov: Nesterov momentum. Default True.
+        ns_coefficients: Newton-Schulz ``(a, b, c)``. Default (3.4445, -4.7750, 2.0315).
+        eps: lower bound of the norm NS divides by. Default 1e-7.
+        ns_steps: Newton-Schulz iterations. Default 5.
+        adjust_lr_fn: ``None`` / ``"original"`` or ``"match_rms_adamw"``. Default None.
+        adamw_lr: AdamW learning rate. Default 1e-3.
+        adamw_betas: AdamW betas. Default (0.9, 0.999).
+        adamw_eps: AdamW eps. Default 1e-8.
+        adamw_weight_decay: AdamW weight decay. Default 0.01.
+        use_muon: ``(fqn, param) -> bool`` for groups without ``use_muon``.
+            Default ``default_use_muon``.
+        distributed: ``"root"`` (NS of each matrix on one load-balanced rank) or
+            ``"replicated"`` (the baseline: every rank gathers every matrix and runs
+            every NS). Default ``"root"``.
+        matrices_per_round: matrices of each root per communication round. Default 1.
+
+    Raises:
+        ValueError: a hyperparameter out of range, or a Muon parameter that is not a
+            matrix or a stack of matrices (naming it).
+        NotImplementedError: a Muon parameter sharded in a way other than
+            ``RaggedShard`` on a 1-D mesh, or sharded parameters on different meshes.
+    """
+
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        weight_decay: float = 0.1,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        ns_coefficients: tuple[float, float, float] = DEFAULT_NS_COEFFICIENTS,
+        eps: float = EPS,
+        ns_steps: int = DEFAULT_NS_STEPS,
+        adjust_lr_fn: str | None = None,
+        *,
+        adamw_lr: float = 1e-3,
+        adamw_betas: tuple[float, float] = (0.9, 0.999),
+        adamw_eps: float = 1e-8,
+        adamw_weight_decay: float = 0.01,
+        use_muon: Callable[[str, Tensor], bool] = default_use_muon,
+        distributed: str = "root",
+        matrices_per_round: int = 1,
+    ):
+        if distributed not in _DISTRIBUTED:
+            raise ValueError(
+                f"Muon: distributed must be one of {_DISTRIBUTED}, got {distributed!r}"
+            )
+        if isinstance(matrices_per_round, bool) or not (
+            isinstance(matrices_per_round, int) and matrices_per_round >= 1
+        ):
+            raise ValueError(
+                f"Muon: matrices_per_round must be an int >= 1, got {matrices_per_round!r}"
+            )
+        self._use_muon = use_muon
+        self._adamw_defaults = dict(
+            lr=adamw_lr, betas=tuple(adamw_betas), eps=adamw_eps, weight_decay=adamw_weight_decay
+        )
+        self.distributed = distributed
+        self.matrices_per_round = matrices_per_round
+        self.last_step = MuonStepStats()
+        self._plan_key: tuple | None = None
+        self._plan: _Plan | None = None
+        defaults = dict(
+            lr=lr,
+            weight_decay=weight_decay,
+            momentum=momentum,
+            nesterov=nesterov,
+            ns_coefficients=tuple(ns_coefficients),
+            eps=eps,
+            ns_steps=ns_steps,
+            adjust_lr_fn=adjust_lr_fn,
+        )
+        super().__init__(params, defaults)
+
+    # ---- groups ---------------------------------------------------------------------------
+    def add_param_group(self, param_group: dict) -> None:
+        """Add a group; one without ``use_muon`` is split by the ``use_muon`` predicate."""
+        group = dict(param_group)
+        params = group["params"]
+        params = [params] if isinstance(params, Tensor) else list(params)
+        if "use_muon" not in group:
+            first = len(self.param_groups)
+            split = {True: [], False: []}
+            for p in params:
+                split[bool(self._use_muon(_name_of(p, ""), p))].append(p)
+            for flag in (True, False):
+                if split[flag]:
+                    self.add_param_group({**group, "params": split[flag], "use_muon": flag})
+            if len(self.param_groups) == first:
+                raise ValueError("Muon: a parameter group has no parameters")
+            return
+        group["params"] = params
+        muon = bool(group["use_muon"])
+        for k, v in (self.defaults if muon else self._adamw_defaults).items():
+            group.setdefault(k, v)
+        _check_hyper(group, muon)
+        if muon:
+            for i, p in enumerate(params):
+                _check_muon_param(p, f"#{i} of group {len(self.param_groups)}")
+        super().add_param_group(group)
+        if not muon:  # drop the Muon-only defaults torch filled in
+            for k in _MUON_KEYS:
+                self.param_groups[-1].pop(k, None)
+
+    # ---- step -----------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One step: AdamW on the AdamW groups, distributed Muon on the Muon groups."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        muon = []
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if torch.is_complex(p):
+                    raise NotImplementedError(
+                        f"Muon: parameter {_name_of(p, '?')!r} is complex; Muon and this "
+                        "AdamW support real parameters only"
+                    )
+                if group["use_muon"]:
+                    muon.append((p, group))
+                else:
+                    self._adamw_step(p, group)
+        self.last_step = MuonStepStats()
+        if muon:
+            self._muon_step(muon)
+        return loss
+
+    def _adamw_step(self, p: Tensor, h: dict) -> None:
+        """torch.optim.AdamW(foreach=False)'s update of one parameter, on its local rows."""
+        state = self.state[p]
+        if not state:
+            state["step"] = torch.tensor(0.0)
+            state["exp_avg"] = _zeros_like(p)
+            state["exp_avg_sq"] = _zeros_like(p)
+        state["step"] += 1
+        lr, (beta1, beta2) = h["lr"], h["betas"]
+        param = _local(p)
+        param.mul_(1 - lr * h["weight_decay"])
+        _adam_math(
+            param,
+            _local(p.grad),
+            _local(state["exp_avg"]),
+            _local(state["exp_avg_sq"]),
+            state["step"].item(),
+            lr,
+            beta1,
+            beta2,
+            h["eps"],
+        )
+
+    def _muon_step(self, items: list[tuple[Tensor, dict]]) -> None:
+        stats = self.last_step
+        # 1. momentum, Nesterov, weight decay: element-wise on local rows
+        inputs: list[Tensor] = []  # per item, its local NS input, flat bf16
+        for p, h in items:
+            state = self.state[p]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = _zeros_like(p)
+            buf, grad = _local(state["momentum_buffer"]), _local(p.grad)
+            buf.lerp_(grad, 1 - h["momentum"])
+            update = grad.lerp(buf, h["momentum"]) if h["nesterov"] else buf
+            inputs.append(update.to(_COMM, copy=True).reshape(-1))
+            _local(p).mul_(1 - h["lr"] * h["weight_decay"])
+        # 2. whole matrices on every rank (plain tensors, Replicate): no communication
+        sharded = []
+        for (p, h), x in zip(items, inputs):
+            if isinstance(p, DTensor) and isinstance(p.placements[0], RaggedShard):
+                sharded.append((p, h, x))
+                continue
+            for start, shape in _members(p):
+                t0 = time.perf_counter()
+                result = self._ns(x[start : start + shape[0] * shape[1]].view(shape), h)
+                stats.ns_seconds += time.perf_counter() - t0
+                stats.ns_flops += ns_flops(*shape, h["ns_steps"])
+                _apply(_local(p), start, result.reshape(-1), h, shape)
+                stats.matrices += 1
+        if sharded:
+            self._distributed_ns(sharded)
+
+    def _ns(self, x: Tensor, h: dict) -> Tensor:
+        return zeropower_via_newtonschulz(x, h["ns_coefficients"], h["ns_steps"], h["eps"])
+
+    def _step_plan(self, sharded) -> _Plan:
+        mesh = sharded[0][0].device_mesh
+        for p, _, _ in sharded:
+            if p.device_mesh != mesh:
+                raise NotImplementedError(
+                    f"Muon: parameter {_name_of(p, '?')!r} lives on mesh {p.device_mesh}, "
+                    f"another on {mesh}; one Muon optimizer handles one mesh: make one per mesh"
+                )
+        world, me = mesh.size(0), mesh.get_local_rank(0)
+        key = (
+            tuple((id(p), p.placements, tuple(p.shape), h["ns_steps"]) for p, h, _ in sharded),
+            self.distributed,
+            self.matrices_per_round,
+        )
+        if key != self._plan_key:
+            matrices, flops = [], []
+            for k, (p, h, _) in enumerate(sharded):
+                rs = p.placements[0]
+                row = rs.row_numel(p.shape)
+                ranges = [
+                    tuple(x * row for x in rs.local_row_range(p.shape, r)) for r in range(world)
+                ]
+                for start, shape in _members(p):
+                    stop = start + shape[0] * shape[1]
+                    pieces = []
+                    for lo, hi in ranges:
+                        a, b = max(lo, start), min(hi, stop)
+                        pieces.append((a, b) if b > a else (start, start))
+                    matrices.append(_Matrix(k, start, shape, tuple(pieces)))
+                    flops.append(float(ns_flops(*shape, h["ns_steps"])))
+            self._plan = _build_plan(
+                matrices, flops, world, me, self.distributed, self.matrices_per_round
+            )
+            self._plan_key = key
+        return self._plan
+
+    def _distributed_ns(self, sharded) -> None:
+        """Steps 2-3 of [Note: distributed Muon] for RaggedShard parameters."""
+        stats = self.last_step
+        plan = self._step_plan(sharded)
+        mesh = sharded[0][0].device_mesh
+        pg, me = mesh.get_group(0), mesh.get_local_rank(0)
+        local_start = [_local_range_start(p, me) for p, _, _ in sharded]
+        matrices = plan.matrices
+
+        def piece(i: int, rank: int, source: Tensor, base: int) -> Tensor:
+            lo, hi = matrices[i].pieces[rank]
+            return source[lo - base : hi - base]
+
+        def own_input(i: int, rank: int) -> Tensor:
+            m = matrices[i]
+            return piece(i, rank, sharded[m.item][2], local_start[m.item])
+
+        def apply_piece(i: int, result: Tensor) -> None:  # result: this rank's rows of the update
+            m = matrices[i]
+            p, h, _ = sharded[m.item]
+            lo, _ = m.pieces[me]
+            _apply(_local(p), lo - local_start[m.item], result, h, m.shape)
+
+        def ns(i: int, full: Tensor) -> Tensor:
+            m = matrices[i]
+            h = sharded[m.item][1]
+            t0 = time.perf_counter()
+            out = self._ns(full.view(m.shape), h).reshape(-1)  # contiguous, bf16
+            stats.ns_seconds += time.perf_counter() - t0
+            stats.ns_flops += ns_flops(*m.shape, h["ns_steps"])
+            stats.rooted += 1
+            return out
+
+        def issue(ex: _Exchange, source) -> tuple:
+            parts = [source(i, r) for i, r in ex.send]
+            send = torch.cat(parts) if parts else torch.empty(0, dtype=_COMM)
+            recv = torch.empty(sum(ex.recv_splits), dtype=_COMM, device=send.device)
+            work = dist.all_to_all_single(
+                recv, send, ex.recv_splits, ex.send_splits, group=pg, async_op=True
+            )
+            stats.bytes_sent += send.numel() * send.element_size()
+            stats.bytes_received += recv.numel() * recv.element_size()
+            stats.collectives += 1
+            return work, recv, send
+
+        def wait(work) -> None:
+            t0 = time.perf_counter()
+            work.wait()
+            stats.wait_seconds += time.perf_counter() - t0
+
+        stats.matrices += len(matrices)
+        stats.comm_free += len(matrices) - sum(len(r.matrices) for r in plan.rounds)
+        if self.distributed == "replicated":
+            stats.comm_free = 0
+        stats.ns_flops_per_rank = list(plan.load)
+        # every gather in flight first
+        gathers = [issue(rnd.gather, own_input) for rnd in plan.rounds]
+        # communication-free matrices compute while the gathers travel
+        for i in plan.local:
+            apply_piece(i, ns(i, own_input(i, me).clone()))
+        scatters = []
+        for rnd, (work, recv, _send) in zip(plan.rounds, gathers):
+            wait(work)
+            received = _split(recv, rnd.gather.recv, matrices)
+            results: dict[int, Tensor] = {}
+            for i in rnd.matrices:
+                if rnd.scatter is not None and plan.roots[i] != me:
+                    continue
+                m = matrices[i]
+                full = torch.empty(m.numel, dtype=_COMM)
+                for r in range(len(m.pieces)):
+                    lo, hi = m.pieces[r]
+                    if hi > lo:
+                        src = own_input(i, me) if r == me else received[i, r]
+                        full[lo - m.start : hi - m.start].copy_(src)
+                results[i] = ns(i, full)
+            if rnd.scatter is not None:
+
+                def result_piece(i: int, rank: int, results=results) -> Tensor:
+                    lo, hi = matrices[i].pieces[rank]
+                    return results[i][lo - matrices[i].start : hi - matrices[i].start]
+
+                scatters.append((rnd, issue(rnd.scatter, result_piece)))
+            for i, out in results.items():
+                if matrices[i].held(me):
+                    lo, hi = matrices[i].pieces[me]
+                    apply_piece(i, out[lo - matrices[i].start : hi - matrices[i].start])
+        for rnd, (work, recv, _send) in scatters:
+            wait(work)
+            for (i, _), part in _split(recv, rnd.scatter.recv, matrices).items():
+                apply_piece(i, part)
+
+
+def _split(recv: Tensor, segments: list[tuple[int, int]], matrices) -> dict:
+    """The received buffer cut into ``{(matrix, piece rank): piece}`` (in send order)."""
+    out, at = {}, 0
+    for i, r in segments:
+        n = matrices[i].held(r)
+        out[i, r] = recv[at : at + n]
+        at += n
+    return out
+
+
+def _apply(local: Tensor, offset: int, update: Tensor, h: dict, shape: tuple[int, int]) -> None:
+    """``param -= adjusted_lr * update`` on ``update.numel()`` local elements from ``offset``."""
+    flat = local.view(-1)
+    lr = adjust_lr(h["lr"], h["adjust_lr_fn"], *shape)
+    flat[offset : offset + update.numel()].add_(update, alpha=-lr)
+
+
+def _members(p: Tensor) -> list[tuple[int, tuple[int, int]]]:
+    """``(first element, (rows, cols))`` of each matrix of a 2-D or stacked 3-D parameter."""
+    if p.dim() == 2:
+        return [(0, (p.shape[0], p.shape[1]))]
+    E, rows, cols = p.shape
+    return [(e * rows * cols, (rows, cols)) for e in range(E)]
+
+
+def _local_range_start(p: DTensor, rank: int) -> int:
+    rs = p.placements[0]
+    return rs.local_row_range(p.shape, rank)[0] * rs.row_numel(p.shape)
+
+
+def _zeros_like(p: Tensor) -> Tensor:
+    """Zeros laid out like ``p`` (a DTensor with p's placements over a fresh local tensor)."""
+    if isinstance(p, DTensor):
+        local = torch.zeros_like(p._local_tensor, memory_format=torch.contiguous_format)
+        return DTensor.from_local(
+            local, p.device_mesh, p.placements, shape=p.shape, stride=p.stride()
+        )
+    return torch.zeros_like(p, memory_format=torch.preserve_format)
+
+
+def _check_hyper(group: dict, muon: bool) -> None:
+    kind = "Muon" if muon else "Muon (AdamW group)"
+    if not group["lr"] >= 0.0:
+        raise ValueError(f"{kind}: lr must be >= 0, got {group['lr']}")
+    if not group["weight_decay"] >= 0.0:
+        raise ValueError(f"{kind}: weight_decay must be >= 0, got {group['weight_decay']}")
+    if not group["eps"] >= 0.0:
+        raise ValueError(f"{kind}: eps must be >= 0, got {group['eps']}")
+    if not muon:
+        for i, b in enumerate(group["betas"]):
+            if not 0.0 <= b < 1.0:
+                raise ValueError(f"{kind}: betas[{i}] must be in [0, 1), got {b}")
+        return
+    if not group["momentum"] >= 0.0:
+        raise ValueError(f"Muon: momentum must be >= 0, got {group['momentum']}")
+    if group["adjust_lr_fn"] not in _ADJUST_LR_FNS:
+        raise ValueError(
+            f"Muon: adjust_lr_fn must be one of {_ADJUST_LR_FNS}, got {group['adjust_lr_fn']!r}"
+        )
+    if len(tuple(group["ns_coefficients"])) != 3:
+        raise ValueError(
+            f"Muon: ns_coefficients must be 3 numbers (a, b, c), got {group['ns_coefficients']}"
+        )
+    steps = group["ns_steps"]
+    if isinstance(steps, bool) or not isinstance(steps, int) or not 0 <= steps < 100:
+        raise ValueError(f"Muon: ns_steps must be an int in [0, 100), got {steps!r}")
+
+
+def _check_muon_param(p: Tensor, fallback: str) -> None:
+    name = _name_of(p, fallback)
+    if p.dim() not in (2, 3):
+        raise ValueError(
+            f"Muon: parameter {name!r} has shape {tuple(p.shape)}; a Muon parameter must be a "
+            "matrix (out, in) or a stack of matrices (E, out, in); put it in a group with "
+            "use_muon=False (AdamW), e.g. with muon_param_groups(model)"
+        )
+    if isinstance(p, DTensor):
+        if p.device_mesh.ndim != 1:
+            raise NotImplementedError(
+                f"Muon: parameter {name!r} is a DTensor on a {p.device_mesh.ndim}-D mesh; "
+                "distributed Muon supports 1-D meshes (fully_shard's)"
+            )
+        placement = p.placements[0]
+        if not isinstance(placement, (RaggedShard, Replicate)):
+            raise NotImplementedError(
+                f"Muon: parameter {name!r} is sharded as {placement}; Muon needs RaggedShard "
+                "(raggedfsdp.fully_shard) or Replicate: shard the model with raggedfsdp"
+            )
+        if isinstance(placement, RaggedShard):
+            placement.validate_for(tuple(p.shape), p.device_mesh.size(0))
+
+
+# ---------------------------------------------------------------------------------------------
+# Block policy: whole matrices on one rank where the planner can do it cheaply
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class GroupReport:
+    """One ``fully_shard`` group under ``muon_block_policy``.
+
+    Args:
+        name: the group's module path (``""`` for the root).
+        plan: the whole-matrix plan (base and chosen layouts).
+        comm_free_before, comm_free_after: Muon matrices held whole by one rank with
+            the base block and with the policy.
+        matrices: Muon matrices in the group (stack members counted one by one).
+    """
+
+    name: str
+    plan: WholeMatrixPlan
+    comm_free_before: int
+    comm_free_after: int
+    matrices: int
+
+
+class MuonBlockPolicy:
+    """A ``fully_shard`` block policy that keeps chosen Muon matrices whole on one rank.
+
+    Call it as ``fully_shard`` does, ``policy(fqn, param) -> rows``; ``report`` holds
+    one ``GroupReport`` per group. Made by ``muon_block_policy``.
+    """
+
+    def __init__(self, base: BlockPolicy, whole: WeakIdKeyDictionary, report: list[GroupReport]):
+        self.base = base
+        self._whole = whole
+        self.report = report
+
+    def __call__(self, fqn: str, param: nn.Parameter) -> BlockRows:
+        if param in self._whole:
+            return WHOLE
+        return self.base(fqn, param)
+
+    def summary(self) -> dict:
+        """Totals: matrices, comm-free before / after, padding elements before / after."""
+        return dict(
+            matrices=sum(g.matrices for g in self.report),
+            comm_free_before=sum(g.comm_free_before for g in self.report),
+            comm_free_after=sum(g.comm_free_after for g in self.report),
+            numel=sum(g.plan.base.total_numel for g in self.report),
+            padding_before=sum(g.plan.base.padding for g in self.report),
+            padding_after=sum(g.plan.layout.padding for g in self.report),
+        )
+
+
+def muon_block_policy(
+    model: nn.Module,
+    world_size: int,
+    *,
+    modules: Iterable[nn.Module] | None = None,
+    rows: BlockRows = 1,
+    max_extra_padding: float = 0.01,
+    use_muon: Callable[[str, Tensor], bool] = default_use_muon,
+    alignment_bytes: int = DEFAULT_ALIGNMENT_BYTES,
+) -> MuonBlockPolicy:
+    """A block policy that keeps Muon matrices whole on one rank wherever that is cheap.
+
+    A matrix held whole by one rank is rooted there and needs no communication in
+    ``Muon.step``. For each group that ``fully_shard`` will make, the planner is
+    asked to keep every Muon matrix (each member of a stack) whole; where that
+    costs more padding than ``max_extra_padding``, matrices are made whole one at a
+    time, smallest first (``_muon_plan.plan_whole_matrices``).
+
+    Args:
+        model: the model, before ``fully_shard`` (it may be on ``meta``).
+        world_size: ranks of the mesh ``fully_shard`` will use.
+        modules: the modules ``fully_shard`` will be applied to, bottom-up. Default:
+            ``model.transformer_blocks()`` (if it has them), then ``model``.
+        rows: the base block for every other parameter. Default 1.
+        max_extra_padding: padding allowed beyond the base layout's, as a share of a
+            group's elements. Default 0.01.
+        use_muon: ``(full fqn, param) -> bool``. Default ``default_use_muon``.
+        alignment_bytes: as passed to ``fully_shard``. Default 128.
+
+    Returns:
+        A ``MuonBlockPolicy`` to pass as ``fully_shard(..., block_policy=policy)``.
+    """
+    if modules is None:
+        blocks = model.transformer_blocks() if hasattr(model, "transformer_blocks") else []
+        modules = [*blocks, model]
+    base = BlockPolicy(rows=rows)
+    full_names = {id(p): n for n, p in model.named_parameters()}
+    module_names = {id(m): n for n, m in model.named_modules()}
+    claimed: set[int] = set()
+    whole = WeakIdKeyDictionary()
+    report = []
+    for mod in modules:
+        group = [(n, p) for n, p in mod.named_parameters() if id(p) not in claimed]
+        claimed.update(id(p) for _, p in group)
+        if not group:
+            continue
+        specs = [
+            TensorSpec(name=n, shape=tuple(p.shape), block_rows=base(n, p), stack=p.dim() >= 3)
+            for n, p in group
+        ]
+        members = {
+            n: (p.shape[0] if p.dim() == 3 else 1)
+            for n, p in group
+            if p.requires_grad and use_muon(full_names.get(id(p), n), p)
+        }
+        plan = plan_whole_matrices(
+            specs,
+            world_size,
+            list(members),
+            max_extra_padding=max_extra_padding,
+            dtype=group[0][1].dtype,
+            alignment_bytes=alignment_bytes,
+        )
+        for n, p in group:
+            if n in plan.whole:
+                whole[p] = True
+        before, total = comm_free_matrices(plan.base, members)
+        after, _ = comm_free_matrices(plan.layout, members)
+        report.append(GroupReport(module_names.get(id(mod), "?"), plan, before, after, total))
+    return MuonBlockPolicy(base, whole, report)
