@@ -8,7 +8,7 @@ $(VENV_STAMP): pyproject.toml
 	python3 -m venv .venv
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "torch==2.13.0"
-	$(PY) -m pip install --quiet -e ".[dev,plot]"
+	$(PY) -m pip install --quiet -e ".[dev]"
 	touch $(VENV_STAMP)
 
 venv: $(VENV_STAMP)

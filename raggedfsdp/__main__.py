@@ -11,14 +11,16 @@ import sys
 
 # command -> (module, one-line help). Each module exposes ``main(argv) -> int``.
 COMMANDS = {
-    "demo": ("raggedfsdp._demo", "walk through RaggedShard on 4 gloo ranks"),
+    "demo": ("raggedfsdp._demo", "train on 4 ranks with raggedfsdp and FSDP2, side by side"),
+    "train": ("raggedfsdp.train._cli", "train a model on N ranks (torchrun)"),
     "plan": ("raggedfsdp.planner._cli", "plan communication buffers for a model"),
+    "walkthrough": ("raggedfsdp._walkthrough", "RaggedShard on 4 gloo ranks, step by step"),
 }
 
 
 def _usage() -> str:
     lines = ["usage: python -m raggedfsdp <command> [options]", "", "commands:"]
-    lines += [f"  {name:<8} {help_}" for name, (_, help_) in COMMANDS.items()]
+    lines += [f"  {name:<12} {help_}" for name, (_, help_) in COMMANDS.items()]
     return "\n".join(lines)
 
 

@@ -1,4 +1,4 @@
-"""``python -m raggedfsdp demo``: RaggedShard on 4 gloo ranks, step by step.
+"""``python -m raggedfsdp walkthrough``: RaggedShard on 4 gloo ranks, step by step.
 
 Launched through ``torch.distributed.run`` (torchrun), so the same worker code runs
 on any number of machines. Each step prints what every rank holds.
@@ -81,7 +81,7 @@ def worker() -> None:
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m raggedfsdp demo", description="RaggedShard on 4 gloo ranks."
+        prog="python -m raggedfsdp walkthrough", description="RaggedShard on 4 gloo ranks."
     )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -96,7 +96,7 @@ def main(argv: list[str]) -> int:
             "--standalone",
             f"--nproc-per-node={WORLD}",
             "-m",
-            "raggedfsdp._demo",
+            "raggedfsdp._walkthrough",
             "--worker",
         ]
     )

@@ -9,7 +9,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
-from torch.utils.weak import WeakIdKeyDictionary
 
 from raggedfsdp.dbuffer import DBuffer
 from raggedfsdp.fsdp._policy import MixedPrecisionPolicy, resolve_block_rows
@@ -18,13 +17,15 @@ from raggedfsdp.planner import TensorSpec, plan_buffer
 
 __all__ = ["ParamGroup", "ParamRef", "ShardedState", "owner_of"]
 
-# sharded parameter -> (its group, its ref); how optimizers and group ops find buffers
-_OWNERS = WeakIdKeyDictionary()
+# A sharded parameter knows its (group, ref): how optimizers and group ops find buffers.
+# An attribute, not a weak-keyed registry: Module._apply swaps tensors (swap_tensors),
+# which refuses tensors that have weak references.
+_OWNER_ATTR = "_raggedfsdp_owner"
 
 
 def owner_of(param: torch.Tensor) -> tuple[ParamGroup, ParamRef] | None:
     """The ``(ParamGroup, ParamRef)`` of a sharded parameter, or None for other tensors."""
-    return _OWNERS.get(param)
+    return getattr(param, _OWNER_ATTR, None)
 
 
 class ShardedState(enum.Enum):
@@ -125,7 +126,7 @@ class ParamGroup:
             ref.sharded = nn.Parameter(dt, requires_grad=ref.requires_grad)
         else:  # re-point an existing parameter (after to_empty / _apply), keeping its identity
             ref.sharded._local_tensor = dt._local_tensor
-        _OWNERS[ref.sharded] = (self, ref)
+        setattr(ref.sharded, _OWNER_ATTR, (self, ref))
 
     def reset_after_apply(self) -> None:
         """Rebuild the storages after ``Module._apply`` (``to_empty``, ``to``, ``float``).
@@ -263,20 +264,30 @@ class ParamGroup:
     def reduce_pending(self) -> bool:
         return self._reduce is not None
 
+    def wait_reduce(self) -> None:
+        """Wait for the reduce-scatter and free the unsharded gradients (the whole buffer)."""
+        if self._reduce is None or self._reduce[0] is None:
+            return
+        work, target, direct = self._reduce
+        work.wait()
+        self._reduce = (None, target, direct)
+        for ref in self.refs:
+            if ref.unsharded is not None:
+                ref.unsharded.grad = None
+        self.dbuf.global_grads.free()
+
     def local_grad_flags(self) -> list[bool]:
         return [ref.got_grad for ref in self.refs]
 
     def finalize_grads(self, got_grad: list[bool]) -> None:
         """Wait for the reduce-scatter and set the sharded ``.grad``s (views of shard grads)."""
-        work, target, direct = self._reduce
+        self.wait_reduce()
+        _, target, direct = self._reduce
         self._reduce = None
-        work.wait()
         if self.gradient_divide_factor is not None:
             target.div_(self.gradient_divide_factor)
         for ref, any_rank_got_grad in zip(self.refs, got_grad):
             ref.got_grad = False
-            if ref.unsharded is not None:
-                ref.unsharded.grad = None
             if not ref.requires_grad or not any_rank_got_grad:
                 if not direct and ref.sharded.grad is None:
                     # keep the buffer's norm exact: no stale values where .grad is None
@@ -300,7 +311,6 @@ class ParamGroup:
                     existing._local_tensor.add_(part)
                     continue
             ref.sharded.grad = ref.sharded_grad
-        self.dbuf.global_grads.free()
 
 
 def _mark_got_grad(ref: ParamRef):

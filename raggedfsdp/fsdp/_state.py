@@ -113,8 +113,11 @@ class FSDPState:
         return args, kwargs
 
     def _post_forward(self, module, args, kwargs, output):
-        if self.group is not None and not self.is_root and self.reshard_after_forward is not False:
-            self.group.reshard(keep_group=self._keep_group)
+        if self.group is not None:
+            if not torch.is_grad_enabled():  # no backward will need them (eval, validation)
+                self.group.reshard()
+            elif not self.is_root and self.reshard_after_forward is not False:
+                self.group.reshard(keep_group=self._keep_group)
         if torch.is_grad_enabled():
             output = self._register_pre_backward(output)
         if self.mp_policy.output_dtype is not None:
@@ -174,7 +177,15 @@ class FSDPState:
         if self._pending_post_backward == 0 and self.group is not None:
             if self.group.needs_post_backward:
                 self.training_state = TrainingState.POST_BACKWARD
+                self.root._wait_earlier_reduces()
                 self.group.post_backward(reshard=self.reshard_after_backward)
+
+    def _wait_earlier_reduces(self) -> None:
+        """Keep one reduce-scatter in flight: finish the earlier ones and free their
+        unsharded gradients, so a backward never holds every group's at once."""
+        for s in self._states:
+            if s.group is not None:
+                s.group.wait_reduce()
 
     def _final_callback(self) -> None:
         """End of backward (root only): reduce the rest, wait, set the sharded grads."""
