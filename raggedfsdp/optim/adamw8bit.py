@@ -427,6 +427,15 @@ class AdamW8bit(torch.optim.Optimizer):
                 continue
             self.state[p] = {}
             fresh = self._state(p)
+            shapes = {k: tuple(_local(v).shape) for k, v in fresh.items() if k != "step"}
+            got = {k: tuple(_local(v).shape) for k, v in loaded.items() if k != "step"}
+            if shapes != got:
+                raise ValueError(
+                    f"AdamW8bit.load_state_dict: parameter {self._name(p)!r} has states "
+                    f"{got} in the state dict but {shapes} here; load it with the "
+                    f"block_size / min_8bit_size it was saved with (now {self.block_size} / "
+                    f"{self.min_8bit_size})"
+                )
             fresh["step"] = loaded["step"].detach().clone().float().cpu()
             for key, value in fresh.items():
                 if key != "step":
