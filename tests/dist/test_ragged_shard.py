@@ -33,6 +33,7 @@ UNITS = {
     2: [(1, 2), (0, 3), (2, 0), (3, 3)],
     3: [(1, 0, 2), (2, 2, 2), (0, 0, 3), (0, 1, 0)],
     4: [(1, 0, 2, 3), (0, 1, 1, 0), (0, 0, 0, 2), (2, 1, 0, 3)],
+    5: [(1, 0, 2, 0, 3), (0, 0, 0, 0, 6), (1, 1, 1, 1, 2)],
 }
 # (shape, dims): 6 rows each way, so every pattern above applies.
 SHAPES = [((6, 4), (0,)), ((2, 3, 5), (0, 1)), ((6,), (0,))]
@@ -181,7 +182,7 @@ def _grid_core(rank, world):
     run_cases(cases)
 
 
-@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("world", [*WORLDS, 5])
 def test_placement_core(world):
     spawn(world, _grid_core)
 
