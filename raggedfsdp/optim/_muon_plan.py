@@ -144,11 +144,14 @@ def plan_whole_matrices(
     dtype: Any = "float32",
     alignment_bytes: int = DEFAULT_ALIGNMENT_BYTES,
 ) -> WholeMatrixPlan:
-    """Make as many ``candidates`` whole (one block) as padding allows.
+    """Keep as many ``candidates`` whole on one rank as padding allows.
 
-    All candidates whole is tried first; if that costs more padding than allowed,
-    candidates are added one at a time, smallest first, each kept only if the
-    padding stays within budget. A stack made whole keeps each *member* whole.
+    The goal is matrices that need no communication in ``Muon.step``: those held
+    whole by one rank (each member of a stack counts). All candidates whole is
+    tried first; if that costs more padding than allowed, candidates are made
+    whole one at a time, smallest first, each kept only if the padding stays
+    within budget and no matrix that was whole by luck gets split (the count of
+    communication-free matrices never drops).
 
     Args:
         specs: the group's tensors with their base blocks.
@@ -171,6 +174,7 @@ def plan_whole_matrices(
     missing = [c for c in cands if c not in by_name]
     if missing:
         raise ValueError(f"plan_whole_matrices: candidates {missing} are not in the group")
+    members = {c: by_name[c].members for c in cands}
     kw = dict(dtype=dtype, alignment_bytes=alignment_bytes)
     base = plan_buffer(specs, world_size, **kw)
     budget = base.padding + max_extra_padding * base.total_numel
@@ -187,16 +191,17 @@ def plan_whole_matrices(
             **kw,
         )
 
-    best = layout_with(set(cands))
-    if best.padding <= budget:
-        return WholeMatrixPlan(frozenset(cands), base, best)
+    every = layout_with(set(cands))
+    if every.padding <= budget:
+        return WholeMatrixPlan(frozenset(cands), base, every)
     chosen: set[str] = set()
-    best = base
+    best, free = base, comm_free_matrices(base, members)[0]
     for name in sorted(cands, key=lambda n: (by_name[n].member_numel, cands.index(n))):
         trial = layout_with(chosen | {name})
-        if trial.padding <= budget:
+        trial_free = comm_free_matrices(trial, members)[0]
+        if trial.padding <= budget and trial_free >= free:
             chosen.add(name)
-            best = trial
+            best, free = trial, trial_free
     return WholeMatrixPlan(frozenset(chosen), base, best)
 
 

@@ -746,7 +746,7 @@ def _check_muon_param(p: Tensor, fallback: str) -> None:
         placement = p.placements[0]
         if not isinstance(placement, (RaggedShard, Replicate)):
             raise NotImplementedError(
-                f"Muon: parameter {name!r} is sharded as {placement}; Muon needs RaggedShard "
+                f"Muon: parameter {name!r} is sharded as {placement!r}; Muon needs RaggedShard "
                 "(raggedfsdp.fully_shard) or Replicate: shard the model with raggedfsdp"
             )
         if isinstance(placement, RaggedShard):
