@@ -46,9 +46,12 @@ class FlatStorage:
     def allocated(self) -> bool:
         return self.tensor.untyped_storage().nbytes() > 0
 
-    def alloc(self) -> torch.Tensor:
+    def alloc(self, *, zero: bool = False) -> torch.Tensor:
+        """Allocate the storage if it is freed (zero-filled then, with ``zero``)."""
         if not self.allocated:
             self.tensor.untyped_storage().resize_(self._nbytes)
+            if zero:
+                self.tensor.zero_()
         return self.tensor
 
     def free(self) -> None:
@@ -82,9 +85,16 @@ class DBuffer:
         self.compute_dtype = compute_dtype or dtype
         S, m = layout.shard_size, layout.world_size
         self.shard = torch.zeros(S, dtype=dtype, device=device)  # 1D, S elements
-        self.shard_grad = torch.zeros(S, dtype=dtype, device=device)  # 1D, S elements
+        # 1D, S elements; freed while every sharded .grad is None (after zero_grad), so a
+        # forward does not hold gradient memory FSDP2 would not hold either
+        self.shard_grads = FlatStorage(S, dtype, device)
         self.global_params = FlatStorage(m * S, self.compute_dtype, device)  # 1D, m*S
         self.global_grads = FlatStorage(m * S, self.compute_dtype, device)  # 1D, m*S
+
+    @property
+    def shard_grad(self) -> torch.Tensor:
+        """The shard gradient storage (1D, S elements; size 0 while freed)."""
+        return self.shard_grads.tensor
 
     # ---- views ----------------------------------------------------------------------------
     def _local_view(self, flat: torch.Tensor, name: str) -> torch.Tensor:

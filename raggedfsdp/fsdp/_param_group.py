@@ -226,6 +226,11 @@ class ParamGroup:
         self.state = ShardedState.SHARDED
 
     # ---- gradients ------------------------------------------------------------------------
+    def release_dropped_grads(self) -> None:
+        """Free the shard gradient storage if every sharded ``.grad`` was dropped."""
+        if self._reduce is None and all(ref.sharded.grad is None for ref in self.refs):
+            self.dbuf.shard_grads.free()
+
     def prepare_grads(self) -> None:
         """Point every unsharded ``.grad`` at the flat global gradient storage (pre-backward)."""
         self.needs_post_backward = True
@@ -249,6 +254,9 @@ class ParamGroup:
             return
         accumulate = any(ref.sharded.grad is not None for ref in self.refs)
         direct = not accumulate and self.reduce_dtype == self.dtype
+        # The reduce-scatter writes every element (padding too) on the direct path;
+        # otherwise only parameters' parts are written: start from zeros.
+        self.dbuf.shard_grads.alloc(zero=not direct)
         target = (
             self.dbuf.shard_grad
             if direct

@@ -104,6 +104,7 @@ class FSDPState:
         if self.mp_policy.cast_forward_inputs and self.mp_policy.param_dtype is not None:
             args, kwargs = _cast_floats((args, kwargs), self.mp_policy.param_dtype)
         if self.group is not None:
+            self.group.release_dropped_grads()
             self.group.unshard()
             self.group.wait_for_unshard()
         for nxt in self._prefetch_targets(forward=True):
