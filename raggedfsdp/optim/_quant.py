@@ -17,8 +17,11 @@ times smaller gets half as many, down to ``1e-6`` / ``1e-7`` of the absmax::
       6 / 7   1e-6 / 1e-7                     1         1
     plus 0 (exact)                    255 codes used  256 codes
 
-Rounding is to the nearest table value: the code is the number of midpoints
-between neighbouring table values that lie below ``x`` (a tie takes the lower code).
+Rounding is to the nearest table value, up to where the decision thresholds sit:
+each midpoint between neighbouring values is rounded to the nearest float with 8
+mantissa bits (a shift of at most 2**-9 of its size, against steps of 0.7% or more),
+so that encoding is one table look-up (see the next note). A magnitude on a
+threshold takes the larger code.
 
 Why not linear absmax: Adam's second moment spans many decades inside one block;
 with 255 equal steps every value below ``absmax / 510`` becomes 0, and a zero
@@ -27,15 +30,13 @@ significant bits for values down to ``1e-7`` of the absmax, which is why
 bitsandbytes (whose 8-bit optimizers introduced it, block-wise with 256-element
 blocks and a 4096-element minimum size) and torchao's ``AdamW8bit`` use it.
 
-[Note: exact encode without a search]
-``torch.bucketize`` over 255 midpoints costs ~100x an element-wise op on CPU. The
-encoder instead reads the top 17 bits of ``x``'s float32 bit pattern (sign, exponent
-and 8 leading mantissa bits): a bucket of values ``[lo, lo * (1 + 2**-8))`` (mirrored
-for negative ``x``). No bucket holds two midpoints (the closest ones are 0.7% apart;
-``dynamic_tree_map`` asserts it), so with ``c[key]`` = the midpoints below the bucket,
-from a 2**17-entry lookup table, the code is ``c + (midpoint[c] < x)``: two gathers and
-a compare, exactly the code a search over the midpoints gives (the number of midpoints
-below ``x``; a value on a midpoint takes the lower code).
+[Note: encode by one look-up]
+``torch.bucketize`` over 255 midpoints costs ~100x an element-wise op on CPU. With
+every threshold a float whose low 15 bits are zero, the code of ``x`` depends only on
+the top 17 bits of its float32 bit pattern (sign, exponent, 8 mantissa bits): the
+code is ``lut[(bits >> 15) & 0x1FFFF]``, a 128 KiB uint8 table built once from the
+thresholds (``dynamic_tree_map`` checks that every table value encodes to its own
+code). Two integer ops and one gather, exact by construction.
 
 [Note: bit-identical under any sharding]
 Each step is a sequence of single, correctly rounded element-wise ops (no fused
@@ -72,20 +73,18 @@ _ONE = 0x3F800000 >> _KEY_SHIFT  # the key of 1.0, the largest normalised magnit
 
 @dataclass(frozen=True, eq=False)
 class QuantMap:
-    """A sorted 8-bit code table and what encoding needs.
+    """A sorted 8-bit code table and its encoder.
 
     Args:
         values: the table, fp32, sorted; ``values[code]`` is the decoded value.
-        mids: the midpoints between consecutive ``values`` (fp32, sorted).
-        mids_ext: ``mids`` then ``+inf``: what the encoder gathers from.
-        lut: int32, one entry per 17-bit key: the number of midpoints below the
-            key's bucket (see [Note: exact encode without a search]).
+        thresholds: the magnitude thresholds (fp32, ascending, on the key grid): a
+            magnitude ``>= thresholds[i]`` is past the ``i``-th step from zero.
+        lut: uint8, one code per 17-bit key (see [Note: encode by one look-up]).
         zero: the code of 0.0.
     """
 
     values: torch.Tensor
-    mids: torch.Tensor
-    mids_ext: torch.Tensor
+    thresholds: torch.Tensor
     lut: torch.Tensor
     zero: int
 
@@ -103,6 +102,13 @@ def _tree_magnitudes(levels: int) -> list[float]:
     return sorted(out)
 
 
+def _to_key_grid(x: torch.Tensor) -> torch.Tensor:
+    """Positive fp32 ``x`` rounded to the nearest float with 8 mantissa bits."""
+    bits = x.view(torch.int32)
+    half = 1 << (_KEY_SHIFT - 1)
+    return ((bits + half) >> _KEY_SHIFT << _KEY_SHIFT).view(torch.float32)
+
+
 @functools.cache
 def dynamic_tree_map(signed: bool) -> QuantMap:
     """The dynamic tree code table: signed (first moment) or unsigned (second moment).
@@ -111,39 +117,45 @@ def dynamic_tree_map(signed: bool) -> QuantMap:
     """
     mags = torch.tensor([0.0, *_tree_magnitudes(7 if signed else 8)], dtype=torch.float64)
     mags = mags.to(torch.float32)
-    values = torch.cat([-mags.flip(0)[:-1], mags]) if signed else mags
+    m64 = mags.double()
+    thresholds = _to_key_grid(((m64[1:] + m64[:-1]) / 2).to(torch.float32))
+    assert bool((thresholds > mags[:-1]).all() and (thresholds < mags[1:]).all())
+    # key k >= 0 of a magnitude: [lo[k], lo[k + 1]); thresholds are some of the lo's
+    lo = (torch.arange(_ONE + 1, dtype=torch.int32) << _KEY_SHIFT).view(torch.float32)
+    steps = torch.searchsorted(thresholds, lo, side="right")  # thresholds <= lo
+    n = thresholds.numel()
+    mag_lut = torch.full((_KEY_MASK + 1,), n, dtype=torch.int64)  # > 1, inf, NaN: the top
+    mag_lut[: _ONE + 1] = steps
+    mag_lut[_NEGATIVE:] = mag_lut[:_NEGATIVE]  # a negative value: the same magnitude
+    if signed:
+        values = torch.cat([-mags.flip(0)[:-1], mags])
+        zero = n
+        lut = zero + torch.where(torch.arange(_KEY_MASK + 1) >= _NEGATIVE, -mag_lut, mag_lut)
+    else:
+        values, zero = mags, 0
+        lut = mag_lut.masked_fill(torch.arange(_KEY_MASK + 1) >= _NEGATIVE, 0)
     assert values.numel() <= 256 and bool((values[1:] > values[:-1]).all())
-    v64 = values.double()
-    mids = ((v64[1:] + v64[:-1]) / 2).to(torch.float32)
-    # bucket k of the non-negative keys: magnitudes [lo[k], lo[k + 1])
-    keys = torch.arange(_ONE + 2, dtype=torch.int32)
-    lo = (keys << _KEY_SHIFT).view(torch.float32)
-    n = mids.numel()
-    pos = torch.searchsorted(mids, lo, side="left")  # midpoints < lo
-    neg = torch.searchsorted(mids, -lo, side="right")  # midpoints <= -lo
-    assert int((pos[1:] - pos[:-1]).max()) <= 1, "a bucket holds two midpoints"
-    assert int((neg[:-1] - neg[1:]).max()) <= 1, "a bucket holds two midpoints"
-    lut = torch.full((_KEY_MASK + 1,), n, dtype=torch.int64)  # > 1, inf, NaN: the top code
-    lut[: _ONE + 1] = pos[:-1]
-    lut[_NEGATIVE:] = 0  # < -1, -inf, -NaN: the bottom code
-    lut[_NEGATIVE : _NEGATIVE + _ONE + 1] = neg[1:]  # values in (-lo[k + 1], -lo[k]]
-    mids_ext = torch.cat([mids, torch.tensor([math.inf])])
-    zero = int(torch.searchsorted(mids, torch.tensor(0.0), side="left"))
-    assert float(values[zero]) == 0.0
-    return QuantMap(values=values, mids=mids, mids_ext=mids_ext, lut=lut.to(torch.int32), zero=zero)
+    qmap = QuantMap(values=values, thresholds=thresholds, lut=lut.to(torch.uint8), zero=zero)
+    assert torch.equal(encode(values, qmap).long(), torch.arange(values.numel()))
+    return qmap
 
 
-def encode(x: torch.Tensor, qmap: QuantMap) -> torch.Tensor:
+def encode(x: torch.Tensor, qmap: QuantMap, out: torch.Tensor | None = None) -> torch.Tensor:
     """uint8 codes of ``x`` (fp32, contiguous; normalised: ``|x| <= 1``), shaped like ``x``.
 
-    The code is the number of ``qmap.mids`` below ``x``: the nearest table value (ties
-    take the lower code); values beyond [-1, 1] clamp to the end codes, NaN codes are
-    unspecified. See [Note: exact encode without a search].
+    The code of a magnitude is the number of ``qmap.thresholds`` at or below it, counted
+    from ``qmap.zero`` away from zero by the sign; magnitudes beyond 1 (inf, NaN) take
+    the end codes (the bottom one for a negative value of the unsigned map). See
+    [Note: encode by one look-up].
+
+    Args:
+        out: a uint8 tensor of ``x.numel()`` elements to write into. Default: a new one.
     """
-    key = (x.view(torch.int32) >> _KEY_SHIFT).bitwise_and_(_KEY_MASK).view(-1)
-    code = qmap.lut.index_select(0, key)  # int32: midpoints below the key's bucket
-    code.add_(qmap.mids_ext.index_select(0, code) < x.view(-1))
-    return code.to(torch.uint8).view(x.shape)
+    key = (x.reshape(-1).view(torch.int32) >> _KEY_SHIFT).bitwise_and_(_KEY_MASK)
+    if out is None:
+        return qmap.lut.index_select(0, key).view(x.shape)
+    torch.index_select(qmap.lut, 0, key, out=out.view(-1))
+    return out
 
 
 def decode(codes: torch.Tensor, qmap: QuantMap) -> torch.Tensor:
@@ -213,7 +225,7 @@ def quantize_(
     scales_out.copy_(absmax)
     divisor = torch.where(absmax > 0, absmax, torch.ones_like(absmax))  # all-zero block: 0/1
     xn = x.view(-1, blocks.unit) / blocks.per_unit(divisor)
-    codes_out.view(-1).copy_(encode(xn, qmap).view(-1))
+    encode(xn, qmap, out=codes_out)
 
 
 def dequantize(

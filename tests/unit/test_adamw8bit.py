@@ -49,33 +49,47 @@ def test_maps(signed):
 
 
 @pytest.mark.parametrize("signed", [True, False])
-def test_encode_is_the_search_over_midpoints(signed):
+def test_encode_is_the_search_over_thresholds(signed):
     q = dynamic_tree_map(signed)
+    t = q.thresholds
+    assert bool((t[1:] > t[:-1]).all())
+    assert torch.equal(
+        t.view(torch.int32) & ((1 << 15) - 1), torch.zeros_like(t, dtype=torch.int32)
+    )
     x = _wide(200_000, signed=signed)
     x = x / x.abs().max()
-    m = q.mids
     adversarial = [
-        m,
-        torch.nextafter(m, torch.tensor(-2.0)),
-        torch.nextafter(m, torch.tensor(2.0)),
+        t,
+        torch.nextafter(t, torch.tensor(-2.0)),
+        torch.nextafter(t, torch.tensor(2.0)),
         q.values,
-        torch.tensor([0.0, -0.0, 1.0, -1.0, 1e-30, -1e-30, 1e-45, -1e-45]),
+        torch.tensor([0.0, -0.0, 1.0, 1e-30, 1e-45]),
     ]
     x = torch.cat([x, *adversarial])
-    assert torch.equal(encode(x, q).long(), torch.bucketize(x, m, right=False))
-    # beyond [-1, 1] the end codes
-    out = encode(torch.tensor([2.0, float("inf"), -2.0, -float("inf")]), q)
-    assert out.tolist() == [q.values.numel() - 1] * 2 + [0, 0]
+    if signed:
+        x = torch.cat([x, -x])
+    steps = torch.searchsorted(t, x.abs(), side="right")  # thresholds <= |x|
+    expected = q.zero + torch.where(x < 0, -steps, steps)
+    assert torch.equal(encode(x, q).long(), expected)
+    out = torch.empty(x.numel(), dtype=torch.uint8)
+    assert encode(x, q, out=out) is out and torch.equal(out, encode(x, q))
+    # beyond [-1, 1] the end codes; a negative value of the unsigned map: code 0
+    top = q.values.numel() - 1
+    got = encode(torch.tensor([2.0, float("inf"), -2.0, -float("inf")]), q).tolist()
+    assert got == [top, top, 0, 0]
+    half = int(encode(torch.tensor([0.5]), q))  # a negative value mirrors its magnitude
+    assert int(encode(torch.tensor([-0.5]), q)) == (2 * q.zero - half if signed else 0)
 
 
 @pytest.mark.parametrize("signed", [True, False])
 def test_decode_of_encode_is_a_nearest_value(signed):
+    """Nearest up to the thresholds' rounding to 8 mantissa bits (2**-9 of a magnitude)."""
     q = dynamic_tree_map(signed)
     x = _wide(50_000, seed=1, signed=signed)
     x = x / x.abs().max()
     got = decode(encode(x, q), q)
     best = (x[:, None] - q.values[None, :]).abs().min(dim=1).values
-    assert torch.all((x - got).abs() <= best * (1 + 1e-6) + 1e-12)
+    assert torch.all((x - got).abs() <= best + 2**-8 * x.abs() + 1e-12)
 
 
 # ---- block-wise quantize / dequantize ----------------------------------------------------
@@ -94,11 +108,12 @@ def test_roundtrip_error_bounds(signed):
     assert torch.equal(scales, absmax)
     scale = absmax.repeat_interleave(torch.tensor([min(block, n - s) for s in starts]))
     err = (x - back).abs()
-    # half the widest gap of the top level: 0.9 / 64 / 2 (signed), 0.9 / 128 / 2
+    # half the widest gap of the top level: 0.9 / 64 / 2 (signed), 0.9 / 128 / 2, plus
+    # the thresholds' shift to the key grid (2**-9 of a magnitude, both sides: 2**-8)
     half_gap = 0.9 / (64 if signed else 128) / 2
-    assert torch.all(err <= scale * half_gap * (1 + 1e-5))
+    assert torch.all(err <= scale * half_gap * (1 + 1e-5) + 2**-8 * x.abs())
     big = x.abs() >= 0.1 * scale  # the top level: relative error <= half_gap / 0.1
-    assert torch.all(err[big] <= x.abs()[big] * half_gap / 0.1 * (1 + 1e-5))
+    assert torch.all(err[big] <= x.abs()[big] * (half_gap / 0.1 + 2**-8))
     assert torch.all(back[x.abs() == scale] == x[x.abs() == scale])
     # codes of an all-zero block decode to exact zeros
     z = torch.zeros(512)
