@@ -294,6 +294,10 @@ class ParamGroup:
         self._reduce = None
         if self.gradient_divide_factor is not None:
             target.div_(self.gradient_divide_factor)
+        if not direct and all(ref.sharded.grad is None for ref in self.refs):
+            # only a dtype differs (reduce_dtype != param dtype): one cast of the buffer
+            self.dbuf.shard_grad.copy_(target)
+            direct = True
         for ref, any_rank_got_grad in zip(self.refs, got_grad):
             ref.got_grad = False
             if not ref.requires_grad or not any_rank_got_grad:
@@ -314,7 +318,7 @@ class ParamGroup:
                 start, stop = self.layout.shard_range(ref.fqn, self.rank)
                 part = target[start:stop].view(ref.sharded_grad._local_tensor.shape)
                 if existing is None:
-                    ref.sharded_grad._local_tensor.copy_(part)  # a cast under mixed precision
+                    ref.sharded_grad._local_tensor.copy_(part)
                 else:
                     existing._local_tensor.add_(part)
                     continue

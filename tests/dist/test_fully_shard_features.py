@@ -130,8 +130,7 @@ def test_adamw_and_group_ops(world):
 
 
 # ---------------------------------------------------------------------------------------------
-def _check_mixed_precision(mesh, rank, world):
-    kw = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+def _check_mixed_precision(mesh, rank, world, kw):
     ours = _shard(
         Transformer(get_config(MODEL), max_seq_len=SEQ, seed=0),
         mesh,
@@ -233,7 +232,16 @@ def _grid_features(rank, world):
     mesh = init_device_mesh("cpu", (world,))
     run_cases(
         {
-            "mixed precision vs fsdp2": partial(_check_mixed_precision, mesh, rank, world),
+            "bf16 params, fp32 reduce vs fsdp2": partial(
+                _check_mixed_precision,
+                mesh,
+                rank,
+                world,
+                dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
+            ),
+            "bf16 params and reduce vs fsdp2": partial(
+                _check_mixed_precision, mesh, rank, world, dict(param_dtype=torch.bfloat16)
+            ),
             "twice / unused / frozen": partial(_check_twice_unused_frozen, mesh, rank, world),
             "module methods + state dicts": partial(_check_module_methods, mesh, rank, world),
         }
