@@ -230,14 +230,14 @@ def save(
     tensors = live.tensors()
     handle = SaveHandle(step, _files.step_dir(root, step))
     if not async_save:
-        _write(handle, root, step, tensors, structure, keep_last, ranks)
+        _write(root, step, tensors, structure, keep_last, ranks)
         return handle
     job_ranks = _Ranks(_side_group(ranks.group))
     tensors = _state.snapshot(tensors)  # synchronous: later steps cannot leak in
 
     def run():
         try:
-            _write(handle, root, step, tensors, structure, keep_last, job_ranks)
+            _write(root, step, tensors, structure, keep_last, job_ranks)
         except BaseException as err:  # reported by wait()
             handle._error = err
 
@@ -248,7 +248,7 @@ def save(
     return handle
 
 
-def _write(handle, root: Path, step: int, tensors, structure: bytes, keep_last, ranks) -> None:
+def _write(root: Path, step: int, tensors, structure: bytes, keep_last, ranks) -> None:
     """Write, checksum, mark, commit and clean up (see [Note: commit protocol])."""
     tmp, final = _files.tmp_dir(root, step), _files.step_dir(root, step)
     error = None
@@ -273,7 +273,10 @@ def _write(handle, root: Path, step: int, tensors, structure: bytes, keep_last, 
     _fault_point("data_written")
     # Every rank hashes a share of the data files; rank 0 records them all in the marker.
     data_files = sorted({info.relative_path for info in metadata.storage_data.values()})
-    mine = {name: _files.file_digest(tmp / name) for name in data_files[ranks.rank :: ranks.world]}
+    try:
+        mine = {n: _files.file_digest(tmp / n) for n in data_files[ranks.rank :: ranks.world]}
+    except OSError as err:  # sent to rank 0, which fails the save on every rank
+        mine = err
     if ranks.dist:
         gathered = [None] * ranks.world if ranks.rank == 0 else None
         dist.gather_object(
@@ -284,6 +287,9 @@ def _write(handle, root: Path, step: int, tensors, structure: bytes, keep_last, 
     status = None
     if ranks.rank == 0:
         try:
+            failed = [part for part in gathered if isinstance(part, Exception)]
+            if failed:
+                raise failed[0]
             files = {name: d for part in gathered for name, d in part.items()}
             for name in (_DCP_METADATA, STRUCTURE):
                 files[name] = _files.file_digest(tmp / name)
@@ -298,7 +304,12 @@ def _write(handle, root: Path, step: int, tensors, structure: bytes, keep_last, 
         raise status
     _fault_point("committed")
     if ranks.rank == 0:
-        _cleanup(root, keep_last)
+        try:
+            _cleanup(root, keep_last)
+        except OSError as err:  # the checkpoint is committed; old ones stay for the next save
+            warnings.warn(
+                f"save: could not delete old checkpoints under '{root}': {err}", stacklevel=2
+            )
 
 
 def _cleanup(root: Path, keep_last: int | None) -> None:
