@@ -336,3 +336,76 @@ def test_load_detects_damaged_files(tmp_path, damage):
 def test_load_without_checkpoint(tmp_path):
     with pytest.raises(ValueError, match="load: no complete checkpoint at .*does not exist"):
         checkpoint.load(tmp_path / "none", _Net())
+
+
+# ---- async save, a fresh optimizer that must be primed, export ----------------------------
+def test_async_save_writes_the_state_of_its_call(tmp_path):
+    model = _Net()
+    opt = torch.optim.AdamW(model.parameters())
+    _step(model, opt)
+    (tmp_path / ".step_00000002.tmp").mkdir()  # left by a killed save of the same step
+    (tmp_path / ".step_00000002.tmp" / "junk").write_text("x")
+    saved = _snapshot(model, opt)
+    handle = checkpoint.save(tmp_path, model, opt, step=2, async_save=True)
+    _step(model, opt)  # runs while the save writes: must not leak into it
+    assert handle.wait() == tmp_path / "step_00000002" and handle.done()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000002"]
+    fresh = _Net(seed=4)
+    fresh_opt = torch.optim.AdamW(fresh.parameters())
+    checkpoint.load(tmp_path, fresh, fresh_opt)
+    _same(_snapshot(fresh, fresh_opt), saved)
+
+
+def test_a_failed_async_save_raises_from_wait(tmp_path):
+    model = _Net()
+    (tmp_path / "file").write_text("x")  # the root cannot be created under a file
+    handle = checkpoint.save(tmp_path / "file" / "ckpt", model, step=1, async_save=True)
+    with pytest.raises(RuntimeError, match="the checkpoint of step 1 was not written"):
+        handle.wait()
+    checkpoint.save(tmp_path / "ok", model, step=1)  # the next save is not blocked by it
+
+
+def test_a_fresh_8bit_optimizer_is_primed_or_left_as_it_was(tmp_path):
+    from raggedfsdp.optim import AdamW8bit
+
+    model = _Net(width=512)  # emb (10, 512), lin (512, 512): 8-bit moments
+    opt = AdamW8bit(model.parameters(), lr=1e-2)
+    _step(model, opt)
+    checkpoint.save(tmp_path, model, opt, step=2)
+    saved = _snapshot(model, opt)
+    fresh = _Net(width=512, seed=5)
+    fresh_opt = AdamW8bit(fresh.parameters(), lr=1e-2)  # no state yet: scales need priming
+    checkpoint.load(tmp_path, fresh, fresh_opt)
+    _same(_snapshot(fresh, fresh_opt), saved)
+    # another quantization block: its scales do not fit; nothing changes
+    other = _Net(width=512, seed=6)
+    other_opt = AdamW8bit(other.parameters(), lr=1e-2, block_size=128)
+    before = {k: v.clone() for k, v in other.state_dict().items()}
+    with pytest.raises(ValueError, match=r"does not fit the optimizer: shape mismatches: \['emb"):
+        checkpoint.load(tmp_path, other, other_opt)
+    assert len(other_opt.state) == 0
+    assert all(torch.equal(v, before[k]) for k, v in other.state_dict().items())
+
+
+def test_export_safetensors_one_process(tmp_path):
+    from safetensors.torch import load_file
+
+    model = _Net(tied=True)
+    out = checkpoint.export_safetensors(model, tmp_path / "hf", dtype=torch.bfloat16)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert index["metadata"]["aliases"] == {"head.weight": "emb.weight"}
+    tensors = load_file(out / "model-00001-of-00001.safetensors")
+    assert sorted(tensors) == ["count", "emb.weight", "lin.bias", "lin.weight"]
+    assert (
+        tensors["emb.weight"].dtype == torch.bfloat16 and tensors["count"].dtype == torch.bfloat16
+    )
+    assert torch.equal(tensors["lin.weight"], model.lin.weight.detach().bfloat16())
+    renamed = checkpoint.export_safetensors(
+        model, tmp_path / "renamed", name_map=lambda fqn: "model." + fqn
+    )
+    assert "model.lin.weight" in load_file(renamed / "model-00001-of-00001.safetensors")
+    with pytest.raises(ValueError, match="export_safetensors: '.*hf' exists; pass a new directory"):
+        checkpoint.export_safetensors(model, tmp_path / "hf")
+    with pytest.raises(ValueError, match="name_map gives 'x' to two tensors"):
+        checkpoint.export_safetensors(model, tmp_path / "dup", name_map=lambda fqn: "x")
+    assert not (tmp_path / "dup").exists()
