@@ -66,6 +66,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ckpt-every", type=int, default=0, help="checkpoint every K steps (0: off)")
     g.add_argument("--keep-last", type=int, default=2, help="checkpoints to keep")
     g.add_argument("--resume", action="store_true", help="resume from the latest checkpoint")
+    g.add_argument(
+        "--stop-after",
+        type=int,
+        default=0,
+        help="end this job after K steps (0: run to --steps); --resume continues it",
+    )
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
     g.add_argument("--no-plot", action="store_true", help="no loss-curve PNG")
     return p

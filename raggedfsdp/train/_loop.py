@@ -198,7 +198,8 @@ def main(argv: list[str]) -> int:
         bar = tqdm(total=args.steps, initial=start, desc=f"{args.backend} {args.model}")
     tokens = args.batch_size * args.seq_len
     times = []
-    for step in range(start, args.steps):
+    end = min(args.steps, start + args.stop_after) if args.stop_after else args.steps
+    for step in range(start, end):
         t0 = time.perf_counter()
         loss = mean(one_step(step))
         dt = time.perf_counter() - t0
@@ -212,7 +213,7 @@ def main(argv: list[str]) -> int:
                     for x, y in (batch(i, "val") for i in range(args.val_batches))
                 ]
             record["val_loss"] = mean(torch.stack(vals).mean())
-        if args.ckpt_every and (step + 1) % args.ckpt_every == 0:
+        if args.ckpt_every and ((step + 1) % args.ckpt_every == 0 or step + 1 == end):
             ckpt.save(out / "ckpt", model, opt, step=step + 1, keep_last=args.keep_last)
         if rank == 0:
             log.write(json.dumps(record) + "\n")
