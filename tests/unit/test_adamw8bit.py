@@ -25,6 +25,15 @@ from raggedfsdp.optim.adamw8bit import is_8bit_eligible
 STATE_KEYS = ("exp_avg_codes", "exp_avg_scales", "exp_avg_sq_codes", "exp_avg_sq_scales")
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Small tensors: one thread is faster, and immune to a busy machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def _wide(n, seed=0, signed=True):
     """Values over ~10 decades, the range a second moment spans in one block."""
     g = torch.Generator().manual_seed(seed)
