@@ -17,10 +17,11 @@ update itself) is element-wise. So, per step:
 A matrix that one rank holds whole (``muon_block_policy`` arranges this wherever
 the planner can do it cheaply) is rooted there and moves no byte. The others
 travel in rounds (see [Note: Muon roots] in ``_muon_plan``): one all-to-all per
-round carries the pieces of several matrices; all gathers are issued
-asynchronously up front, so the next rounds' pieces are in flight while the
-communication-free matrices and the current round compute, and each round's
-results travel back while the next round computes.
+round carries the pieces of several matrices. All gathers are issued
+asynchronously up front; while a round's gather is still in flight the rank runs
+NS of its communication-free matrices, then the round's NS as soon as its pieces
+are in, and sends the results back asynchronously, so they travel while later
+rounds and the remaining communication-free matrices compute.
 
 Numbers: torch's NS starts with ``grad.bfloat16()``, and its result is bf16, so
 the pieces travel as bf16 (half the bytes of fp32) and the result is exactly
@@ -40,28 +41,24 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-from torch import Tensor, nn
+from torch import Tensor
 from torch.distributed.tensor import DTensor, Replicate
-from torch.utils.weak import WeakIdKeyDictionary
 
 from raggedfsdp.fsdp._param_group import owner_of
-from raggedfsdp.fsdp._policy import BlockPolicy, BlockRows
-from raggedfsdp.optim._muon_plan import (
-    WholeMatrixPlan,
-    assign_roots,
-    comm_free_matrices,
-    ns_flops,
-    plan_rounds,
-    plan_whole_matrices,
+from raggedfsdp.optim._muon_plan import assign_roots, ns_flops, plan_rounds
+from raggedfsdp.optim._muon_policy import (
+    MuonBlockPolicy,
+    default_use_muon,
+    muon_block_policy,
+    muon_param_groups,
 )
 from raggedfsdp.optim.adamw import _adam_math
 from raggedfsdp.placement import RaggedShard
-from raggedfsdp.planner import DEFAULT_ALIGNMENT_BYTES, WHOLE, TensorSpec
 
 __all__ = [
     "Muon",
@@ -81,7 +78,6 @@ DEFAULT_NS_STEPS = 5
 _ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
 _DISTRIBUTED = ("root", "replicated")
 _MUON_KEYS = ("momentum", "nesterov", "ns_coefficients", "ns_steps", "adjust_lr_fn")
-_ADAMW_KEYS = ("betas",)
 _COMM = torch.bfloat16  # NS runs in bf16: pieces and results travel as bf16 (exact)
 
 
@@ -132,55 +128,6 @@ def adjust_lr(lr: float, adjust_lr_fn: str | None, rows: int, cols: int) -> floa
     else:
         ratio = 1.0
     return lr * ratio
-
-
-_ADAMW_NAMES = frozenset({"tok_embeddings", "embed_tokens", "embeddings", "wte", "wpe"})
-_HEAD_NAMES = frozenset({"output", "lm_head"})
-
-
-def default_use_muon(fqn: str, param) -> bool:
-    """Whether ``param`` (named ``fqn``) is a hidden-layer matrix for Muon.
-
-    The common split: 2-D matrices and 3-D ``[E, out, in]`` stacks go to Muon;
-    embeddings (``tok_embeddings``, ``embed_tokens``, ``wte``, ...), the output head
-    (``output``, ``lm_head``), biases, norms and other vectors go to AdamW.
-
-    Args:
-        fqn: the parameter's name (``""`` when unknown: the shape alone decides).
-        param: a tensor, or anything with a ``.shape``.
-    """
-    if len(param.shape) not in (2, 3):
-        return False
-    parts = fqn.split(".") if fqn else []
-    if any(p in _ADAMW_NAMES or p in _HEAD_NAMES for p in parts):
-        return False
-    return not (parts and parts[-1].endswith("bias"))
-
-
-def muon_param_groups(
-    model: nn.Module, *, use_muon: Callable[[str, Tensor], bool] = default_use_muon, **adamw
-) -> list[dict]:
-    """Split ``model``'s trainable parameters into a Muon group and an AdamW group.
-
-    Args:
-        model: the model (before or after ``fully_shard``).
-        use_muon: ``(fqn, param) -> bool``. Default ``default_use_muon``.
-        **adamw: hyperparameters of the AdamW group (``lr=3e-4``, ...).
-
-    Returns:
-        ``[{"params": [...], "use_muon": True}, {"params": [...], "use_muon": False, ...}]``
-        (empty groups left out), for ``Muon``.
-    """
-    muon, other = [], []
-    for name, p in model.named_parameters():
-        if p.requires_grad:
-            (muon if use_muon(name, p) else other).append(p)
-    groups = []
-    if muon:
-        groups.append({"params": muon, "use_muon": True})
-    if other:
-        groups.append({"params": other, "use_muon": False, **adamw})
-    return groups
 
 
 def _local(t: Tensor) -> Tensor:
@@ -304,6 +251,7 @@ class MuonStepStats:
         bytes_sent, bytes_received: bytes this rank sent / received for NS.
         collectives: all-to-alls issued.
         ns_seconds: wall time of this rank's Newton-Schulz.
+        ns_cpu_seconds: CPU time of the thread running it (what contention does not inflate).
         wait_seconds: wall time spent waiting for communication.
         ns_flops: NS FLOPs on this rank (planned).
         ns_flops_per_rank: planned NS FLOPs of every rank (the load balance).
@@ -316,6 +264,7 @@ class MuonStepStats:
     bytes_received: int = 0
     collectives: int = 0
     ns_seconds: float = 0.0
+    ns_cpu_seconds: float = 0.0
     wait_seconds: float = 0.0
     ns_flops: float = 0.0
     ns_flops_per_rank: list[float] = field(default_factory=list)
@@ -519,12 +468,15 @@ class Muon(torch.optim.Optimizer):
             if isinstance(p, DTensor) and isinstance(p.placements[0], RaggedShard):
                 sharded.append((p, h, x))
                 continue
-            for start, shape in _members(p):
-                t0 = time.perf_counter()
+            local = _local(p)  # the whole parameter, any strides
+            for e, (start, shape) in enumerate(_members(p)):
+                t0, c0 = time.perf_counter(), time.thread_time()
                 result = self._ns(x[start : start + shape[0] * shape[1]].view(shape), h)
                 stats.ns_seconds += time.perf_counter() - t0
+                stats.ns_cpu_seconds += time.thread_time() - c0
                 stats.ns_flops += ns_flops(*shape, h["ns_steps"])
-                _apply(_local(p), start, result.reshape(-1), h, shape)
+                member = local if p.dim() == 2 else local[e]
+                member.add_(result, alpha=-adjust_lr(h["lr"], h["adjust_lr_fn"], *shape))
                 stats.matrices += 1
         if sharded:
             self._distributed_ns(sharded)
@@ -594,9 +546,10 @@ class Muon(torch.optim.Optimizer):
         def ns(i: int, full: Tensor) -> Tensor:
             m = matrices[i]
             h = sharded[m.item][1]
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             out = self._ns(full.view(m.shape), h).reshape(-1)  # contiguous, bf16
             stats.ns_seconds += time.perf_counter() - t0
+            stats.ns_cpu_seconds += time.thread_time() - c0
             stats.ns_flops += ns_flops(*m.shape, h["ns_steps"])
             stats.rooted += 1
             return out
@@ -623,13 +576,18 @@ class Muon(torch.optim.Optimizer):
         if self.distributed == "replicated":
             stats.comm_free = 0
         stats.ns_flops_per_rank = list(plan.load)
-        # every gather in flight first
+        # every gather in flight first; communication-free matrices fill the waits
         gathers = [issue(rnd.gather, own_input) for rnd in plan.rounds]
-        # communication-free matrices compute while the gathers travel
-        for i in plan.local:
+        local = list(plan.local)
+
+        def next_local() -> None:
+            i = local.pop()
             apply_piece(i, ns(i, own_input(i, me).clone()))
+
         scatters = []
         for rnd, (work, recv, _send) in zip(plan.rounds, gathers):
+            while local and not work.is_completed():
+                next_local()
             wait(work)
             received = _split(recv, rnd.gather.recv, matrices)
             results: dict[int, Tensor] = {}
@@ -655,6 +613,8 @@ class Muon(torch.optim.Optimizer):
                 if matrices[i].held(me):
                     lo, hi = matrices[i].pieces[me]
                     apply_piece(i, out[lo - matrices[i].start : hi - matrices[i].start])
+        while local:  # results of this rank's rounds travel back meanwhile
+            next_local()
         for rnd, (work, recv, _send) in scatters:
             wait(work)
             for (i, _), part in _split(recv, rnd.scatter.recv, matrices).items():
@@ -751,126 +711,3 @@ def _check_muon_param(p: Tensor, fallback: str) -> None:
             )
         if isinstance(placement, RaggedShard):
             placement.validate_for(tuple(p.shape), p.device_mesh.size(0))
-
-
-# ---------------------------------------------------------------------------------------------
-# Block policy: whole matrices on one rank where the planner can do it cheaply
-# ---------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class GroupReport:
-    """One ``fully_shard`` group under ``muon_block_policy``.
-
-    Args:
-        name: the group's module path (``""`` for the root).
-        plan: the whole-matrix plan (base and chosen layouts).
-        comm_free_before, comm_free_after: Muon matrices held whole by one rank with
-            the base block and with the policy.
-        matrices: Muon matrices in the group (stack members counted one by one).
-    """
-
-    name: str
-    plan: WholeMatrixPlan
-    comm_free_before: int
-    comm_free_after: int
-    matrices: int
-
-
-class MuonBlockPolicy:
-    """A ``fully_shard`` block policy that keeps chosen Muon matrices whole on one rank.
-
-    Call it as ``fully_shard`` does, ``policy(fqn, param) -> rows``; ``report`` holds
-    one ``GroupReport`` per group. Made by ``muon_block_policy``.
-    """
-
-    def __init__(self, base: BlockPolicy, whole: WeakIdKeyDictionary, report: list[GroupReport]):
-        self.base = base
-        self._whole = whole
-        self.report = report
-
-    def __call__(self, fqn: str, param: nn.Parameter) -> BlockRows:
-        if param in self._whole:
-            return WHOLE
-        return self.base(fqn, param)
-
-    def summary(self) -> dict:
-        """Totals: matrices, comm-free before / after, padding elements before / after."""
-        return dict(
-            matrices=sum(g.matrices for g in self.report),
-            comm_free_before=sum(g.comm_free_before for g in self.report),
-            comm_free_after=sum(g.comm_free_after for g in self.report),
-            numel=sum(g.plan.base.total_numel for g in self.report),
-            padding_before=sum(g.plan.base.padding for g in self.report),
-            padding_after=sum(g.plan.layout.padding for g in self.report),
-        )
-
-
-def muon_block_policy(
-    model: nn.Module,
-    world_size: int,
-    *,
-    modules: Iterable[nn.Module] | None = None,
-    rows: BlockRows = 1,
-    max_extra_padding: float = 0.01,
-    use_muon: Callable[[str, Tensor], bool] = default_use_muon,
-    alignment_bytes: int = DEFAULT_ALIGNMENT_BYTES,
-) -> MuonBlockPolicy:
-    """A block policy that keeps Muon matrices whole on one rank wherever that is cheap.
-
-    A matrix held whole by one rank is rooted there and needs no communication in
-    ``Muon.step``. For each group that ``fully_shard`` will make, the planner is
-    asked to keep every Muon matrix (each member of a stack) whole; where that
-    costs more padding than ``max_extra_padding``, matrices are made whole one at a
-    time, smallest first (``_muon_plan.plan_whole_matrices``).
-
-    Args:
-        model: the model, before ``fully_shard`` (it may be on ``meta``).
-        world_size: ranks of the mesh ``fully_shard`` will use.
-        modules: the modules ``fully_shard`` will be applied to, bottom-up. Default:
-            ``model.transformer_blocks()`` (if it has them), then ``model``.
-        rows: the base block for every other parameter. Default 1.
-        max_extra_padding: padding allowed beyond the base layout's, as a share of a
-            group's elements. Default 0.01.
-        use_muon: ``(full fqn, param) -> bool``. Default ``default_use_muon``.
-        alignment_bytes: as passed to ``fully_shard``. Default 128.
-
-    Returns:
-        A ``MuonBlockPolicy`` to pass as ``fully_shard(..., block_policy=policy)``.
-    """
-    if modules is None:
-        blocks = model.transformer_blocks() if hasattr(model, "transformer_blocks") else []
-        modules = [*blocks, model]
-    base = BlockPolicy(rows=rows)
-    full_names = {id(p): n for n, p in model.named_parameters()}
-    module_names = {id(m): n for n, m in model.named_modules()}
-    claimed: set[int] = set()
-    whole = WeakIdKeyDictionary()
-    report = []
-    for mod in modules:
-        group = [(n, p) for n, p in mod.named_parameters() if id(p) not in claimed]
-        claimed.update(id(p) for _, p in group)
-        if not group:
-            continue
-        specs = [
-            TensorSpec(name=n, shape=tuple(p.shape), block_rows=base(n, p), stack=p.dim() >= 3)
-            for n, p in group
-        ]
-        members = {
-            n: (p.shape[0] if p.dim() == 3 else 1)
-            for n, p in group
-            if p.requires_grad and use_muon(full_names.get(id(p), n), p)
-        }
-        plan = plan_whole_matrices(
-            specs,
-            world_size,
-            list(members),
-            max_extra_padding=max_extra_padding,
-            dtype=group[0][1].dtype,
-            alignment_bytes=alignment_bytes,
-        )
-        for n, p in group:
-            if n in plan.whole:
-                whole[p] = True
-        before, total = comm_free_matrices(plan.base, members)
-        after, _ = comm_free_matrices(plan.layout, members)
-        report.append(GroupReport(module_names.get(id(mod), "?"), plan, before, after, total))
-    return MuonBlockPolicy(base, whole, report)

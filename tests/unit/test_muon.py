@@ -86,6 +86,19 @@ def test_single_process_matches_torch_muon_and_adamw(nesterov):
     assert opt.last_step.matrices == 4 and opt.last_step.bytes_sent == 0
 
 
+def test_non_contiguous_plain_parameter():
+    base = torch.randn(40, 24, generator=torch.Generator().manual_seed(2))
+    ours = nn.Parameter(base.clone().T)  # (24, 40), strides (1, 24)
+    ref = nn.Parameter(base.T.contiguous())
+    opt, ref_opt = Muon([ours], lr=0.02), torch.optim.Muon([ref], lr=0.02)
+    for step in range(3):
+        (grad,) = _grads([(24, 40)], step)
+        ours.grad, ref.grad = grad.clone(), grad.clone()
+        opt.step()
+        ref_opt.step()
+    assert not ours.is_contiguous() and torch.equal(ours, ref)
+
+
 def test_param_without_grad_is_skipped():
     p, q = nn.Parameter(torch.ones(4, 4)), nn.Parameter(torch.ones(4, 4))
     opt = Muon([p, q])
