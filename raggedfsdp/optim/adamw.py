@@ -155,7 +155,7 @@ class AdamW(torch.optim.Optimizer):
         fs = self._flat_state(group)
         param, grad = group.dbuf.shard, group.dbuf.shard_grad  # 1D, S elements each
         wds = tuple(h["weight_decay"] for h in hp)
-        if len(set(wds)) == 1:
+        if len(set(wds)) == 1 and len(trainable) == len(group.refs):
             param.mul_(1 - lr * wds[0])
         else:
             param.mul_(self._decay(group, fs, trainable, lr, wds))
@@ -164,7 +164,7 @@ class AdamW(torch.optim.Optimizer):
 
     def _decay(self, group, fs, trainable, lr, wds) -> torch.Tensor:
         key = (lr, wds)
-        if fs.decay_key != key:
+        if fs.decay_key != key:  # frozen parameters and padding keep a factor of 1
             decay = torch.ones_like(group.dbuf.shard)
             for ref, wd in zip(trainable, wds):
                 start, stop = group.layout.shard_range(ref.fqn, group.rank)

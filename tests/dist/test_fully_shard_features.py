@@ -194,6 +194,29 @@ def _check_twice_unused_frozen(mesh, rank, world):
         torch.testing.assert_close(q.full_tensor(), p.detach(), msg=n)
 
 
+def _check_flat_adamw_frozen(mesh, rank, world):
+    """A frozen parameter sharing a buffer is not decayed by the fused whole-buffer step."""
+    torch.manual_seed(0)
+    model, ref = _Twice(), _Twice()
+    ref.load_state_dict(model.state_dict())
+    fully_shard(model, mesh=mesh)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    opt = raggedfsdp.optim.AdamW(trainable, lr=1e-2, weight_decay=0.1)
+    ref_params = [p for p in ref.parameters() if p.requires_grad]
+    ref_opt = torch.optim.AdamW(ref_params, lr=1e-2, weight_decay=0.1, foreach=False)
+    x = torch.randn(2 * world, 6, generator=torch.Generator().manual_seed(1))
+    for _ in range(2):
+        model(x[2 * rank : 2 * rank + 2]).sum().backward()  # averaged over ranks
+        ref(x).sum().mul(1.0 / world).backward()
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.full_tensor(), q.detach(), msg=n)
+    assert torch.equal(model.frozen.weight.full_tensor(), ref.frozen.weight)
+
+
 def _check_module_methods(mesh, rank, world):
     model = _shard(Transformer(get_config(MODEL), max_seq_len=SEQ, seed=0), mesh, fully_shard)
     blocks = model.transformer_blocks()
@@ -244,6 +267,7 @@ def _grid_features(rank, world):
             ),
             "twice / unused / frozen": partial(_check_twice_unused_frozen, mesh, rank, world),
             "module methods + state dicts": partial(_check_module_methods, mesh, rank, world),
+            "flat adamw + frozen": partial(_check_flat_adamw_frozen, mesh, rank, world),
         }
     )
 
