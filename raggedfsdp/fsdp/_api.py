@@ -27,7 +27,7 @@ def fully_shard(
     module: nn.Module,
     *,
     mesh: DeviceMesh | None = None,
-    reshard_after_forward: bool | int = True,
+    reshard_after_forward: bool | int | None = None,
     mp_policy: MixedPrecisionPolicy = _NO_MIXED_PRECISION,
     block_policy: BlockPolicy | Callable[[str, nn.Parameter], BlockRows] | None = None,
     ignored_params: set[nn.Parameter] | None = None,
@@ -47,7 +47,8 @@ def fully_shard(
         reshard_after_forward: free the unsharded parameters after forward (True),
             keep them until after backward (False), or keep them sharded over groups
             of this many consecutive ranks (an int that divides the mesh size).
-            The root keeps its parameters after forward, as in FSDP2. Default True.
+            Default None, as in FSDP2: True, except for the root, whose parameters
+            backward needs first (an explicit True reshards the root too).
         mp_policy: mixed precision. Default: none.
         block_policy: rows per block, a ``BlockPolicy`` or a callable of
             ``(fqn, param)`` returning a positive int or ``"whole"``. Default 1 row.
@@ -194,6 +195,7 @@ class FSDPModule:
             )
         for s in self._fsdp_states(recurse):
             s.reshard_after_forward = reshard_after_forward
+            s._root_keeps_params = False
             s._keep_group = None
 
     def set_modules_to_forward_prefetch(self, modules: Iterable[FSDPModule]) -> None:

@@ -4,7 +4,7 @@
 Same shape as FSDP2. Forward pre-hook: unshard this group (one all-gather into the
 global storage), then start the next group's all-gather (prefetch, in the order
 recorded on the first step). Forward post-hook: reshard (free the global storage)
-unless this is the root or ``reshard_after_forward`` is False. Backward: a hook on
+per ``reshard_after_forward`` (by default, all but the root). Backward: a hook on
 the module's outputs unshards again, points the unsharded ``.grad``s at the flat
 gradient storage and prefetches the previous group; an autograd function on the
 module's inputs fires once its backward is done and starts the group's
@@ -44,12 +44,16 @@ class FSDPState:
         group: ParamGroup | None,
         mesh,
         mp_policy: MixedPrecisionPolicy,
-        reshard_after_forward: bool | int,
+        reshard_after_forward: bool | int | None,
     ):
         self.module = module
         self.group = group
         self.mesh = mesh
         self.mp_policy = mp_policy
+        # None: True, except for the root (decided when the root is known), as in FSDP2
+        self._root_keeps_params = reshard_after_forward is None
+        if reshard_after_forward is None:
+            reshard_after_forward = True
         self.reshard_after_forward = reshard_after_forward
         self.reshard_after_backward = True
         self._keep_group = _post_forward_group(mesh, reshard_after_forward)
@@ -117,7 +121,9 @@ class FSDPState:
         if self.group is not None:
             if not torch.is_grad_enabled():  # no backward will need them (eval, validation)
                 self.group.reshard()
-            elif not self.is_root and self.reshard_after_forward is not False:
+            elif self.reshard_after_forward is not False and not (
+                self.is_root and self._root_keeps_params
+            ):
                 self.group.reshard(keep_group=self._keep_group)
         if torch.is_grad_enabled():
             output = self._register_pre_backward(output)

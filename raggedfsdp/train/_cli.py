@@ -33,8 +33,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--block-rows", default="1", help="rows per block (int or 'whole')")
     g.add_argument(
         "--reshard-after-forward",
-        default="true",
-        help="true, false, or an int that divides the world size",
+        default="auto",
+        help="auto (all but the root, FSDP2's default), true, false, or an int that "
+        "divides the world size",
     )
     g.add_argument("--bf16", action="store_true", help="bf16 parameters, fp32 gradient reduction")
     g = p.add_argument_group("launch")
@@ -94,11 +95,11 @@ def check_args(args: argparse.Namespace) -> None:
             f"(--nproc {args.nproc} x --nnodes {args.nnodes}); use a multiple of {world}"
         )
     raf = args.reshard_after_forward.lower()
-    if raf not in ("true", "false"):
+    if raf not in ("auto", "true", "false"):
         if not raf.isdigit() or world % int(raf):
             raise ValueError(
-                f"train: --reshard-after-forward must be true, false or a factor of the world "
-                f"size {world}, got {args.reshard_after_forward!r}"
+                "train: --reshard-after-forward must be auto, true, false or a factor of the "
+                f"world size {world}, got {args.reshard_after_forward!r}"
             )
     if args.block_rows != "whole" and not (args.block_rows.isdigit() and int(args.block_rows) > 0):
         raise ValueError(

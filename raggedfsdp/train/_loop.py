@@ -27,7 +27,7 @@ from raggedfsdp.train.data import DataConfig, get_batch, load_corpus
 
 def _shard(model: Transformer, args, mesh) -> None:
     raf = args.reshard_after_forward.lower()
-    raf = {"true": True, "false": False}.get(raf, None) if not raf.isdigit() else int(raf)
+    raf = {"auto": None, "true": True, "false": False}[raf] if not raf.isdigit() else int(raf)
     if args.backend == "fsdp2":
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 

@@ -62,7 +62,7 @@ def _reference(model_name: str, optim: str, accumulate: int = 1, steps: int = ST
     }
 
 
-def _build(model_name, mesh, *, raf=True, meta=False, mp=None):
+def _build(model_name, mesh, *, raf=None, meta=False, mp=None):
     cfg = get_config(model_name)
     if meta:
         with torch.device("meta"):

@@ -32,7 +32,7 @@ def test_help_documents_every_option(capsys):
         ),
         (
             ["--reshard-after-forward", "3", "--nproc", "4"],
-            r"must be true, false or a factor of the world size 4",
+            r"must be auto, true, false or a factor of the world size 4",
         ),
         (["--block-rows", "0"], r"--block-rows must be a positive int or 'whole', got '0'"),
         (
