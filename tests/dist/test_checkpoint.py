@@ -280,7 +280,17 @@ def _one_process_targets(base, ref):
         _load_target(base, "4-fine", "1-plain", m, o, None, "fine", 0, 1, ref)
 
 
-def test_resume_matches_uninterrupted_run(tmp_path):
+@pytest.fixture
+def one_thread():
+    """The pytest process's own runs: tiny models, where one thread is faster (and a busy
+    machine does not slow it down)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_resume_matches_uninterrupted_run(tmp_path, one_thread):
     """4->2, 4->3, 3->4, 1->4, 4->1 and 128-row -> 1-row blocks, both models, AdamW (torch's
     and the flat one), Muon and AdamW8bit: the loaded state is the saved one bit for bit, and
     the losses after resume are the uninterrupted run's."""
@@ -367,7 +377,7 @@ def _check_after_crash(root, point, model, opt, saved):
     assert [p.name for p in root.iterdir()] == ["step_00000003"], point
 
 
-def test_a_killed_save_is_never_picked_up(tmp_path):
+def test_a_killed_save_is_never_picked_up(tmp_path, one_thread):
     """SIGKILL at each point: the previous checkpoint stays the one ``load`` picks and loads
     (or, after the rename, the new one); the next save clears the left-overs."""
     model = _model("llama-tiny")
@@ -403,7 +413,7 @@ def _ranks_killed_mid_file(rank, world, root):
     checkpoint.save(root, model, opt, step=2)
 
 
-def test_ranks_killed_mid_write(tmp_path):
+def test_ranks_killed_mid_write(tmp_path, one_thread):
     """Two ranks SIGKILLed half-way through their data files: step 1 stays the latest."""
     with pytest.raises(AssertionError, match="died with exit code -9"):
         spawn(2, _ranks_killed_mid_file, tmp_path / "ckpt", timeout=300)
