@@ -76,7 +76,7 @@ class BlockPolicy:
         for suffix, value in self.overrides:
             if fqn == suffix or fqn.endswith("." + suffix):
                 rows = value
-        if rows != WHOLE and self.whole_if_fewer_rows and rows > param_rows(param):
+        if rows != WHOLE and self.whole_if_fewer_rows and rows > member_rows(param):
             return WHOLE
         return rows
 
@@ -97,6 +97,11 @@ def param_rows(param: torch.Tensor) -> int:
     return param.numel() // param.shape[-1]
 
 
+def member_rows(param: torch.Tensor) -> int:
+    """Rows of one member of a stacked ``[E, out, in]`` tensor; ``param_rows`` otherwise."""
+    return param_rows(param) // (param.shape[0] if param.dim() >= 3 else 1)
+
+
 def resolve_block_rows(
     policy: BlockPolicy | Callable[[str, nn.Parameter], BlockRows] | None,
     fqn: str,
@@ -107,11 +112,11 @@ def resolve_block_rows(
     _check_rows(rows, f"fully_shard: block_policy for parameter {fqn!r}")
     if rows == WHOLE:
         return rows
-    member_rows = param_rows(param) // (param.shape[0] if param.dim() >= 3 else 1)
-    if member_rows % rows:
+    rows_per_member = member_rows(param)
+    if rows_per_member % rows:
         raise ValueError(
-            f"fully_shard: parameter {fqn!r} of shape {tuple(param.shape)} has {member_rows} "
+            f"fully_shard: parameter {fqn!r} of shape {tuple(param.shape)} has {rows_per_member} "
             f"rows, not a multiple of its block of {rows} rows; pass a block_policy whose "
-            f"rows divide {member_rows}, or 'whole'"
+            f"rows divide {rows_per_member}, or 'whole'"
         )
     return rows

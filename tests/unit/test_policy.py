@@ -1,0 +1,47 @@
+"""fully_shard's policies: BlockPolicy rows per parameter, MixedPrecisionPolicy checks."""
+
+import pytest
+import torch
+from torch import nn
+
+from raggedfsdp import BlockPolicy, MixedPrecisionPolicy
+from raggedfsdp.fsdp._policy import resolve_block_rows
+
+
+def _p(*shape):
+    return nn.Parameter(torch.empty(shape))
+
+
+def test_rows_overrides_and_small_tensors():
+    policy = BlockPolicy(rows=8, overrides={"experts.w1": "whole", "wq.weight": 4})
+    assert resolve_block_rows(policy, "layers.0.attention.wk.weight", _p(32, 96)) == 8
+    assert resolve_block_rows(policy, "layers.0.attention.wq.weight", _p(96, 96)) == 4
+    assert resolve_block_rows(policy, "layers.1.moe.experts.w1", _p(6, 44, 96)) == "whole"
+    assert resolve_block_rows(policy, "norm.weight", _p(96)) == "whole"  # one row
+    assert resolve_block_rows(None, "w", _p(5, 3)) == 1  # default: 1 row
+
+
+def test_a_stack_is_judged_by_its_members_rows():
+    # 6 experts of 44 rows: a 128-row block is larger than a member, so it is kept whole
+    assert BlockPolicy(rows=128)("moe.experts.w1", _p(6, 44, 96)) == "whole"
+    assert BlockPolicy(rows=4)("moe.experts.w1", _p(6, 44, 96)) == 4
+
+
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (lambda: BlockPolicy(rows=0), r"BlockPolicy 'rows': a block must be a positive number"),
+        (lambda: BlockPolicy(overrides={"w": -1}), r"BlockPolicy 'w': a block must be"),
+        (lambda: MixedPrecisionPolicy(param_dtype=torch.int8), r"param_dtype must be a floating"),
+        (
+            lambda: resolve_block_rows(
+                BlockPolicy(rows=8, whole_if_fewer_rows=False), "w", _p(6, 44, 96)
+            ),
+            r"'w' of shape \(6, 44, 96\) has 44 rows, not a multiple of its block of 8 rows",
+        ),
+        (lambda: resolve_block_rows(lambda f, p: 2.5, "w", _p(4, 4)), r"for parameter 'w'"),
+    ],
+)
+def test_errors(make, match):
+    with pytest.raises(ValueError, match=match):
+        make()
