@@ -223,9 +223,12 @@ def main(argv: list[str]) -> int:
                 bar.update(1)
     if bar is not None:
         bar.close()
-    # Two extra steps after training, counted (comms, copies) and tracked (memory): the
-    # counters slow a step down, so none of the timed steps is measured.
-    measured = _measure(model, lambda: one_step(args.steps), args.backend)
+    # Extra steps after training, counted (comms, copies) and tracked (memory): the
+    # counters slow a step down, so none of the timed steps is measured. One plain step
+    # first, so the measured one starts where a training step does (after a backward,
+    # not after the no-grad validation forward, which leaves FSDP2's root unsharded).
+    one_step(args.steps)
+    measured = _measure(model, lambda: one_step(args.steps + 1), args.backend)
     steady = times[min(5, len(times) - 1) :] or times
     summary = {
         "backend": args.backend,
