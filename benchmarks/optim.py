@@ -1,0 +1,675 @@
+"""Structure-aware optimizers: distributed Muon against its baseline and peers, in one run.
+
+    .venv/bin/python benchmarks/optim.py            # every section (~20 min on 2 shared cores)
+    .venv/bin/python benchmarks/optim.py --quick    # smoke run: small model, few steps
+    .venv/bin/python benchmarks/optim.py --cells llama-small:4 --skip-adamw8bit  # shorter
+
+Most of the time goes to the peers (torch.optim.Muon on FSDP2 takes seconds per step;
+muon-fsdp2 compiles its Newton-Schulz for about a minute in every cell) and to bf16
+matmuls, which are slow on this CPU.
+
+Writes ``benchmarks/results/optim.md`` (or ``--out``). Sections:
+
+1. **Muon step** (per model and world size, gloo ranks on CPU, 1 thread each): every
+   system trains the same model on the same batches; its optimizer step alone is
+   timed between barriers (the slowest rank; median over the timed steps, after one
+   untimed step). Systems:
+
+   - raggedfsdp ``fully_shard`` + ``raggedfsdp.optim.Muon`` (NS of each matrix on a
+     FLOP-balanced root, async all-to-all rounds), with the default block policy and
+     with ``muon_block_policy`` (whole matrices on one rank where cheap);
+   - the baseline: the same with ``distributed="replicated"`` (every rank gathers every
+     matrix and runs every Newton-Schulz);
+   - FSDP2 + ``torch.optim.Muon`` (+ ``torch.optim.AdamW`` for the rest): DTensor runs
+     its Newton-Schulz on ``Shard(0)`` pieces, with hidden collectives;
+   - FSDP2 + the ``muon-fsdp2`` package (gathers each matrix to rank ``index % world``
+     with ``torch.distributed.gather``; its NS is ``torch.compile``d).
+
+   Measured: step time; collectives per step (``raggedfsdp.profiling.CommCounter``;
+   for muon-fsdp2, whose compiled NS refuses a dispatch mode, by wrapping its
+   ``gather`` / ``scatter``); bytes sent per step summed over ranks (all-to-all: its
+   input; all-gather: ``(w - 1) x`` input; all-reduce: ``2 (w - 1) / w x`` input, a
+   ring; gather / scatter: the pieces that leave their rank); optimizer state bytes
+   per parameter (every state tensor but ``step``, summed over ranks); for
+   raggedfsdp's Muon the Newton-Schulz work per rank (planned FLOPs and measured
+   thread CPU time: the load balance) and the matrices that moved no byte.
+2. **Whole-matrix block policy on the catalogue**: how many Muon matrices are held
+   whole by one rank (no communication) with 1-row blocks and with the policy, and
+   the padding either costs, per model and FSDP size (planner only, no tensors).
+3. **Convergence**: Muon vs AdamW, 300 steps on the demo corpus.
+4. **8-bit AdamW**: ``benchmarks/_adamw8bit_bench.py``'s section (its own peers:
+   torchao's ``AdamW8bit`` and bitsandbytes' ``Adam8bit`` on FSDP2).
+
+Each measurement runs in its own process group (a subprocess running ``mp.spawn``), so
+a peer that crashes its ranks (gloo aborts the process) is recorded, not fatal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.metadata
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+BATCH, SEQ = 8, 32  # Muon step cells: the optimizer is what is timed
+MUON = dict(lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True)
+ADAMW = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+OURS = ("raggedfsdp Muon", "raggedfsdp Muon + whole-matrix policy", "baseline: replicated NS")
+TORCH, MUON_FSDP2 = "FSDP2 + torch.optim.Muon", "FSDP2 + muon-fsdp2"
+CELLS = (("llama-small", 2), ("llama-small", 4), ("moe-small", 4))
+CONV_BATCH, CONV_SEQ = 16, 64
+
+
+# ---- inside a rank -----------------------------------------------------------------------------
+def _build(system: str, model_name: str, mesh):
+    """The model sharded as ``system`` shards it, and its optimizers."""
+    import torch
+    from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
+
+    import raggedfsdp
+    from raggedfsdp.models import get_config
+    from raggedfsdp.models.transformer import Transformer
+    from raggedfsdp.optim import Muon, muon_block_policy, muon_param_groups
+    from raggedfsdp.optim.muon import default_use_muon
+
+    model = Transformer(get_config(model_name), max_seq_len=max(SEQ, CONV_SEQ), seed=0)
+    if system in OURS or system.startswith("raggedfsdp"):
+        policy = muon_block_policy(model, mesh.size(0)) if "whole" in system else None
+        shard = lambda m: raggedfsdp.fully_shard(m, mesh=mesh, block_policy=policy)  # noqa: E731
+    else:
+        shard = lambda m: fsdp2_fully_shard(m, mesh=mesh)  # noqa: E731
+    for block in model.transformer_blocks():
+        shard(block)
+    shard(model)
+    if system == "raggedfsdp AdamW":
+        return model, [raggedfsdp.optim.AdamW(model.parameters(), **ADAMW)]
+    if system in OURS or system.startswith("raggedfsdp"):
+        mode = "replicated" if system.startswith("baseline") else "root"
+        return model, [Muon(muon_param_groups(model, **ADAMW), **MUON, distributed=mode)]
+    mu = [p for n, p in model.named_parameters() if default_use_muon(n, p)]
+    other = [p for n, p in model.named_parameters() if not default_use_muon(n, p)]
+    if system == TORCH:
+        return model, [torch.optim.Muon(mu, **MUON), torch.optim.AdamW(other, **ADAMW)]
+    import muon_fsdp2
+
+    muon = dict(params=mu, use_muon=True, rms_scale=False, ns_steps=5, **MUON)
+    adamw = dict(params=other, use_muon=False, **ADAMW)
+    return model, [muon_fsdp2.Muon([muon, adamw])]
+
+
+def _max(x: float) -> float:
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([x], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def _gathered(obj):
+    import torch.distributed as dist
+
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _state_bytes(opts) -> int:
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    total = 0
+    for opt in opts:
+        for state in opt.state.values():
+            for key, v in state.items():
+                if key != "step" and torch.is_tensor(v):
+                    local = v._local_tensor if isinstance(v, DTensor) else v
+                    total += local.numel() * local.element_size()
+    return total
+
+
+class _PieceCounter:
+    """Counts muon-fsdp2's ``gather`` / ``scatter`` (its compiled NS refuses dispatch modes)."""
+
+    def __init__(self, module, rank: int):
+        self.module, self.rank, self.calls, self.sent = module, rank, {}, 0
+        self.orig = {n: getattr(module, n) for n in ("gather", "scatter")}
+
+    def __enter__(self):
+        def gather(tensor, gather_list=None, *args, group_dst=None, **kw):
+            self.calls["gather"] = self.calls.get("gather", 0) + 1
+            if self.rank != group_dst:
+                self.sent += tensor.numel() * tensor.element_size()
+            return self.orig["gather"](tensor, gather_list, *args, group_dst=group_dst, **kw)
+
+        def scatter(tensor, scatter_list=None, *args, **kw):
+            self.calls["scatter"] = self.calls.get("scatter", 0) + 1
+            if scatter_list:
+                self.sent += sum(t.numel() * t.element_size() for t in scatter_list[1:])
+            return self.orig["scatter"](tensor, scatter_list, *args, **kw)
+
+        self.module.gather, self.module.scatter = gather, scatter
+        return self
+
+    def __exit__(self, *exc):
+        for n, f in self.orig.items():
+            setattr(self.module, n, f)
+
+
+def _sent_bytes(summary: dict, world: int) -> float:
+    """Bytes this rank sends in ``CommCounter`` collectives (see the module docstring)."""
+    sent = 0.0
+    for kind, s in summary.items():
+        if kind == "all_to_all":
+            sent += s.input_bytes
+        elif kind == "all_gather":
+            sent += (world - 1) * s.input_bytes
+        elif kind == "all_reduce":
+            sent += 2 * (world - 1) / world * s.input_bytes
+        else:
+            sent += s.input_bytes
+    return sent
+
+
+def _measure(system: str, job: dict, mesh, rank: int, world: int, data) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    from raggedfsdp.models.transformer import lm_loss
+    from raggedfsdp.profiling import CommCounter
+    from raggedfsdp.train.data import get_batch
+
+    model, opts = _build(system, job["model"], mesh)
+    times, cpus, ours = [], [], []  # cpus: this rank's process CPU time (gloo threads too)
+    comm: dict = {}
+    sent = 0.0
+    for step in range(job["steps"] + 2):  # step 0 untimed (compiles, plans); the last counted
+        x, y = get_batch(
+            data, seed=0, step=step, batch_size=BATCH, seq_len=SEQ, rank=rank, world_size=world
+        )
+        lm_loss(model(x), y).backward()
+        dist.barrier()
+        counting = step == job["steps"] + 1
+        if counting and system == MUON_FSDP2:
+            import muon_fsdp2
+
+            counter = _PieceCounter(muon_fsdp2, rank)
+        elif counting:
+            counter = CommCounter()
+        else:
+            counter = contextlib.nullcontext()
+        t0, c0 = time.perf_counter(), time.process_time()
+        with counter:
+            for opt in opts:
+                opt.step()
+        cpu = time.process_time() - c0
+        elapsed = _max(time.perf_counter() - t0)
+        if counting and isinstance(counter, _PieceCounter):
+            comm, sent = dict(counter.calls), float(counter.sent)
+        elif counting:
+            summary = counter.summary()
+            comm = {k: v.count for k, v in summary.items()}
+            sent = _sent_bytes(summary, world)
+        else:
+            times.append(elapsed)
+            cpus.append(cpu)
+        if hasattr(opts[0], "last_step") and not counting and step > 0:
+            s = opts[0].last_step
+            ours.append((s.ns_cpu_seconds, s.ns_seconds, s.wait_seconds, s.bytes_sent))
+        for opt in opts:
+            opt.zero_grad()
+    totals = torch.tensor([_state_bytes(opts), sent, *cpus[1:]], dtype=torch.float64)
+    dist.all_reduce(totals)
+    out = {
+        "step_ms": 1e3 * statistics.median(times[1:]),
+        "cpu_s": statistics.median(totals[2:].tolist()),
+        "first_step_s": times[0],
+        "state_bytes_per_param": totals[0].item() / sum(p.numel() for p in model.parameters()),
+        "collectives": comm,
+        "sent_bytes": totals[1].item(),
+    }
+    if ours:
+        s = opts[0].last_step
+        per_rank = _gathered([statistics.median(v) for v in zip(*ours)])
+        out.update(
+            ns_cpu_s=[r[0] for r in per_rank],
+            ns_wall_s=[r[1] for r in per_rank],
+            wait_s=[r[2] for r in per_rank],
+            exact_sent_bytes=sum(r[3] for r in per_rank),
+            ns_flops=s.ns_flops_per_rank,
+            matrices=s.matrices,
+            comm_free=s.comm_free,
+        )
+    return out
+
+
+def _converge(system: str, job: dict, mesh, rank: int, world: int, corpus) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    from raggedfsdp.models.transformer import lm_loss
+    from raggedfsdp.train.data import get_batch
+
+    model, opts = _build(system, job["model"], mesh)
+    losses = []
+    t0 = time.perf_counter()
+    for step in range(job["steps"]):
+        x, y = get_batch(
+            corpus.train,
+            seed=0,
+            step=step,
+            batch_size=CONV_BATCH,
+            seq_len=CONV_SEQ,
+            rank=rank,
+            world_size=world,
+        )
+        loss = lm_loss(model(x), y)
+        loss.backward()
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        losses.append(total.item() / world)
+    seconds = time.perf_counter() - t0
+    val = []
+    with torch.no_grad():
+        for i in range(8):
+            x, y = get_batch(
+                corpus.val,
+                seed=1,
+                step=i,
+                batch_size=CONV_BATCH,
+                seq_len=CONV_SEQ,
+                rank=rank,
+                world_size=world,
+            )
+            total = lm_loss(model(x), y).detach().clone()
+            dist.all_reduce(total)
+            val.append(total.item() / world)
+    tail = losses[-20:]
+    return dict(
+        losses=losses, final=sum(tail) / len(tail), val=sum(val) / len(val), seconds=seconds
+    )
+
+
+def _rank_main(rank: int, world: int, job: dict, init_file: str, out_file: str) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    from torch.distributed.tensor import init_device_mesh
+
+    from raggedfsdp.train.data import load_corpus
+
+    mesh = init_device_mesh("cpu", (world,))
+    corpus = load_corpus()
+    results = {}
+    for system in job["systems"]:
+        if job["kind"] == "converge":
+            results[system] = _converge(system, job, mesh, rank, world, corpus)
+        else:
+            try:
+                results[system] = _measure(system, job, mesh, rank, world, corpus.train)
+            except Exception as e:  # a peer that refuses the model fails on every rank alike
+                line = next((s for s in str(e).splitlines() if s.strip()), "")
+                results[system] = {"error": f"{type(e).__name__}: {line}"}
+        dist.barrier()
+        if rank == 0:
+            Path(out_file).write_text(json.dumps(results))  # what is done survives a crash
+    if rank == 0:
+        results["_corpus"] = f"{corpus.source} ({corpus.train.numel():,} training bytes)"
+        Path(out_file).write_text(json.dumps(results))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _worker(job_json: str, out_file: str) -> None:
+    import torch.multiprocessing as mp
+
+    job = json.loads(job_json)
+    with tempfile.TemporaryDirectory() as tmp:
+        init = os.path.join(tmp, "rendezvous")
+        mp.spawn(_rank_main, args=(job["world"], job, init, out_file), nprocs=job["world"])
+
+
+# ---- the parent ---------------------------------------------------------------------------------
+def _run_job(job: dict, timeout: float) -> dict:
+    """Run one job in a fresh process group; a crash is recorded for the systems it left."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "out.json")
+        cmd = [sys.executable, __file__, "--worker", json.dumps(job), "--worker-out", out]
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+            failed = proc.returncode != 0
+            why = _crash_reason(proc.stdout + proc.stderr) if failed else ""
+        except subprocess.TimeoutExpired:
+            failed, why = True, f"did not finish in {timeout:.0f} s"
+        res = json.loads(Path(out).read_text()) if os.path.exists(out) else {}
+    if failed:
+        for system in job["systems"]:
+            res.setdefault(system, {"error": f"the ranks crashed: {why}"})
+    return res
+
+
+def _crash_reason(text: str) -> str:
+    lines = [s.strip() for s in text.splitlines() if s.strip()]
+    for key in ("what():", "Error:", "Exception:"):
+        hits = [s for s in lines if key in s and "ProcessExitedException" not in s]
+        if hits:
+            return hits[0][:300]
+    return lines[-1][:300] if lines else "no output"
+
+
+def _versions() -> str:
+    out = []
+    for name in ("torch", "muon-fsdp2", "torchao", "bitsandbytes", "numpy"):
+        try:
+            out.append(f"{name} {importlib.metadata.version(name)}")
+        except importlib.metadata.PackageNotFoundError:
+            out.append(f"{name} not installed")
+    return ", ".join(out)
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit, scale in (("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def _muon_section(cells: dict, steps: int) -> list[str]:
+    lines = [
+        "## 1. Muon optimizer step",
+        "",
+        f"Each cell: one model, `w` gloo ranks (1 thread each), batches of {BATCH} x {SEQ} "
+        f"tokens; Muon lr {MUON['lr']}, weight decay {MUON['weight_decay']}, momentum "
+        f"{MUON['momentum']}, Nesterov, 5 NS steps; AdamW (the rest) lr {ADAMW['lr']}, "
+        f"betas {ADAMW['betas']}. Step = `opt.step()` alone, the slowest rank, median of "
+        f"{steps} timed steps after one untimed step; its CPU time (process, gloo's threads "
+        "included) summed over ranks is the work, which other jobs on the machine do not "
+        "inflate. Sent bytes: one step, summed over "
+        "ranks (see the script's docstring for the per-collective rule). State: bytes of "
+        "optimizer state per model parameter, summed over ranks.",
+        "",
+    ]
+    for (model, world), res in cells.items():
+        base = res.get(OURS[0], {}).get("step_ms")
+        lines += [
+            f"### `{model}`, {world} ranks",
+            "",
+            "| system | step (ms) | vs raggedfsdp Muon | step CPU s, all ranks | collectives / "
+            "step | sent / step | state B/param | NS per rank: CPU s (FLOP share) | comm-free "
+            "matrices |",
+            "| --- | ---: | ---: | ---: | --- | ---: | ---: | --- | ---: |",
+        ]
+        for system, r in res.items():
+            if system.startswith("_"):
+                continue
+            if "error" in r:
+                lines.append(f"| {system} | failed: {r['error']} | | | | | | | |")
+                continue
+            coll = ", ".join(f"{k} x{v}" for k, v in sorted(r["collectives"].items())) or "none"
+            ratio = f"{r['step_ms'] / base:.2f}x" if base else "-"
+            ns = free = "-"
+            if "ns_cpu_s" in r:
+                total = sum(r["ns_flops"]) or 1.0
+                ns = ", ".join(
+                    f"{c:.2f} ({100 * f / total:.0f}%)"
+                    for c, f in zip(r["ns_cpu_s"], r["ns_flops"])
+                )
+                free = f"{r['comm_free']} / {r['matrices']}"
+            lines.append(
+                f"| {system} | {r['step_ms']:.0f} | {ratio} | {r['cpu_s']:.2f} | {coll} | "
+                f"{_fmt_bytes(r['sent_bytes'])} | {r['state_bytes_per_param']:.2f} | {ns} | "
+                f"{free} |"
+            )
+        ours = res.get(OURS[0], {})
+        if "ns_cpu_s" in ours:
+            cpu = ours["ns_cpu_s"]
+            lines += [
+                "",
+                f"raggedfsdp Muon: NS load balance (slowest / mean rank, measured CPU time) "
+                f"{max(cpu) / statistics.mean(cpu):.2f}, planned FLOPs "
+                f"{max(ours['ns_flops']) / statistics.mean(ours['ns_flops']):.2f}; bytes it "
+                f"counted itself {_fmt_bytes(ours['exact_sent_bytes'])} (CommCounter: "
+                f"{_fmt_bytes(ours['sent_bytes'])}); waiting for communication "
+                f"{max(ours['wait_s']):.3f} s on the slowest rank per step.",
+            ]
+        lines.append("")
+    return lines
+
+
+def _muon_summary(cells: dict) -> list[str]:
+    """One line per cell: work and bytes of each system against raggedfsdp's Muon."""
+    out = []
+    for (model, world), res in cells.items():
+        ours = res.get(OURS[0], {})
+        if "cpu_s" not in ours:
+            continue
+        parts = []
+        for system, r in res.items():
+            if system == OURS[0] or system.startswith("_"):
+                continue
+            if "error" in r:
+                parts.append(f"{system}: fails")
+                continue
+            parts.append(
+                f"{system}: {r['cpu_s'] / ours['cpu_s']:.2f}x the CPU work, "
+                f"{_fmt_bytes(r['sent_bytes'])} sent"
+            )
+        free = f"{ours['comm_free']}/{ours['matrices']} matrices moved no byte"
+        out.append(
+            f"- `{model}`, {world} ranks: raggedfsdp Muon does {ours['cpu_s']:.2f} CPU s of "
+            f"optimizer step over all ranks and sends {_fmt_bytes(ours['sent_bytes'])} "
+            f"({free}); " + "; ".join(parts) + "."
+        )
+    return out
+
+
+def _catalogue_section(worlds, budgets) -> list[str]:
+    from raggedfsdp.models import get_config, param_groups
+    from raggedfsdp.models.catalogue import REAL_MODELS
+    from raggedfsdp.optim._muon_plan import comm_free_matrices, plan_whole_matrices
+    from raggedfsdp.optim._muon_policy import default_use_muon
+    from raggedfsdp.planner import TensorSpec
+
+    head = " | ".join(f"whole, budget {100 * b:g}%: matrices / padding" for b in budgets)
+    lines = [
+        "## 2. Whole-matrix block policy on the catalogued models",
+        "",
+        "Planner only (bf16 buffers, 128-byte alignment, the model's `fully_shard` groups: "
+        "embedding, each block, head). Muon matrices: `default_use_muon` (2-D hidden "
+        "matrices, each member of an expert stack). *Comm-free*: held whole by one rank, so "
+        "`Muon.step` moves no byte for it. Base: 1-row blocks. Policy: `plan_whole_matrices` "
+        "(every matrix whole if the extra padding stays within the budget, else smallest "
+        "first, never splitting a matrix that was whole by luck); budget = extra padding "
+        "allowed per group, as a share of its elements.",
+        "",
+        f"| model | FSDP size | Muon matrices | comm-free, 1-row blocks / padding | {head} |",
+        "| --- | ---: | ---: | ---: | " + " | ".join("---:" for _ in budgets) + " |",
+    ]
+    for name in REAL_MODELS:
+        groups = param_groups(get_config(name))
+        for world in worlds:
+            totals = {b: [0, 0] for b in budgets}  # comm-free, padding
+            base_free = base_pad = numel = matrices = 0
+            cache: dict = {}
+            for g in groups:
+                key = tuple((p.shape, p.stack) for p in g.params)
+                if key not in cache:
+                    specs = [TensorSpec(name=p.fqn, shape=p.shape, stack=p.stack) for p in g.params]
+                    members = {
+                        p.fqn: (p.shape[0] if p.stack else 1)
+                        for p in g.params
+                        if default_use_muon(p.fqn, p)
+                    }
+                    row = {}
+                    for b in budgets:
+                        plan = plan_whole_matrices(
+                            specs, world, list(members), max_extra_padding=b, dtype="bfloat16"
+                        )
+                        row[b] = (comm_free_matrices(plan.layout, members)[0], plan.layout.padding)
+                    free, n = comm_free_matrices(plan.base, members)
+                    cache[key] = (n, free, plan.base.padding, plan.base.total_numel, row)
+                n, free, pad, size, row = cache[key]
+                matrices, base_free, base_pad, numel = (
+                    matrices + n,
+                    base_free + free,
+                    base_pad + pad,
+                    numel + size,
+                )
+                for b in budgets:
+                    totals[b][0] += row[b][0]
+                    totals[b][1] += row[b][1]
+            cols = " | ".join(
+                f"{totals[b][0]:,} ({100 * totals[b][0] / matrices:.0f}%) / "
+                f"{100 * totals[b][1] / numel:.3f}%"
+                for b in budgets
+            )
+            lines.append(
+                f"| {name} | {world} | {matrices:,} | {base_free:,} "
+                f"({100 * base_free / matrices:.0f}%) / {100 * base_pad / numel:.3f}% | {cols} |"
+            )
+    lines.append("")
+    return lines
+
+
+def _convergence_section(res: dict, model: str, steps: int, world: int) -> list[str]:
+    adamw, muon = res["raggedfsdp AdamW"], res["raggedfsdp Muon"]
+    verdict = "PASS" if muon["final"] <= adamw["final"] else "FAIL"
+    return [
+        "## 3. Convergence: Muon vs AdamW",
+        "",
+        f"`{model}`, {steps} steps, {world} ranks, raggedfsdp `fully_shard`, batches of "
+        f"{CONV_BATCH} x {CONV_SEQ} bytes of the demo corpus ({res['_corpus']}); same init, "
+        f"same batches, constant learning rates. AdamW: `raggedfsdp.optim.AdamW` {ADAMW}. "
+        f"Muon: `raggedfsdp.optim.Muon` {MUON} on the hidden matrices, AdamW as above on "
+        "the rest. Final loss: mean training loss of the last 20 steps; validation: 8 "
+        "fixed batches of the held-out split.",
+        "",
+        "| optimizer | first loss | final loss | validation loss | wall time (s) |",
+        "| --- | ---: | ---: | ---: | ---: |",
+        *(
+            f"| {name} | {r['losses'][0]:.4f} | {r['final']:.4f} | {r['val']:.4f} | "
+            f"{r['seconds']:.0f} |"
+            for name, r in (("AdamW", adamw), ("Muon", muon))
+        ),
+        "",
+        f"Muon's final loss {muon['final']:.4f} vs AdamW's {adamw['final']:.4f} "
+        f"({100 * (muon['final'] - adamw['final']) / adamw['final']:+.1f}%): {verdict} "
+        "(acceptance: no worse than AdamW).",
+        "",
+    ]
+
+
+def _adamw8bit_section(args) -> list[str]:
+    if args.skip_adamw8bit:
+        return ["## 4. 8-bit AdamW", "", "Skipped (`--skip-adamw8bit`).", ""]
+    try:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        import _adamw8bit_bench
+    except ImportError:
+        return ["## 4. 8-bit AdamW", "", "Pending: `benchmarks/_adamw8bit_bench.py` is absent.", ""]
+    return [_adamw8bit_bench.run(args).replace("## 8-bit AdamW", "## 4. 8-bit AdamW", 1), ""]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="smoke run, not the figures")
+    parser.add_argument(
+        "--cells",
+        nargs="+",
+        default=[f"{m}:{w}" for m, w in CELLS],
+        help="Muon step cells, MODEL:WORLD (default: %(default)s)",
+    )
+    parser.add_argument("--steps", type=int, default=3, help="timed Muon steps per system")
+    parser.add_argument("--conv-model", default="llama-tiny")
+    parser.add_argument("--conv-steps", type=int, default=300)
+    parser.add_argument("--conv-world", type=int, default=2)
+    parser.add_argument("--catalogue-worlds", type=int, nargs="+", default=[8, 64, 256])
+    parser.add_argument("--skip-muon", action="store_true")
+    parser.add_argument("--skip-convergence", action="store_true")
+    parser.add_argument("--skip-adamw8bit", action="store_true")
+    parser.add_argument("--timeout", type=float, default=900, help="seconds per job")
+    parser.add_argument("--out", type=Path, default=RESULTS / "optim.md")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--worker-out", help=argparse.SUPPRESS)
+    with contextlib.suppress(ImportError):
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        import _adamw8bit_bench
+
+        _adamw8bit_bench.add_arguments(parser)
+    args = parser.parse_args()
+    if args.worker:
+        _worker(args.worker, args.worker_out)
+        return
+    command = "python " + " ".join(sys.argv)
+    args.command = command
+    start = time.perf_counter()
+    cells = [(c.split(":")[0], int(c.split(":")[1])) for c in args.cells]
+    if args.quick:
+        cells = [("llama-tiny", 2)]
+    steps = 1 if args.quick else args.steps
+    conv_steps = 20 if args.quick else args.conv_steps
+    sections: list[str] = []
+    summary: list[str] = []
+    if not args.skip_muon:
+        results = {}
+        for model, world in cells:
+            print(f"Muon step: {model}, {world} ranks", flush=True)
+            job = dict(kind="step", model=model, world=world, steps=steps, systems=list(OURS))
+            res = _run_job(job, args.timeout)
+            for peer in (TORCH, MUON_FSDP2):
+                print(f"  peer {peer}", flush=True)
+                res.update(_run_job({**job, "systems": [peer]}, args.timeout))
+            results[model, world] = res
+        sections += _muon_section(results, steps)
+        summary += _muon_summary(results)
+    print("catalogue", flush=True)
+    sections += _catalogue_section(args.catalogue_worlds, (0.0, 0.01))
+    if not args.skip_convergence:
+        print("convergence", flush=True)
+        job = dict(
+            kind="converge",
+            model=args.conv_model,
+            world=args.conv_world,
+            steps=conv_steps,
+            systems=["raggedfsdp AdamW", "raggedfsdp Muon"],
+        )
+        res = _run_job(job, args.timeout)
+        sections += _convergence_section(res, args.conv_model, conv_steps, args.conv_world)
+    print("8-bit AdamW", flush=True)
+    sections += _adamw8bit_section(args)
+    header = [
+        "# Structure-aware optimizers: Muon (and 8-bit AdamW)",
+        "",
+        f"Command: `{command}` ({time.perf_counter() - start:.0f} s). Versions: {_versions()}; "
+        f"Python {platform.python_version()}; {platform.machine()}, {os.cpu_count()} cores "
+        "(shared: other jobs may load the machine, so compare ratios within a table). "
+        "Peers installed with `pip install --no-deps muon-fsdp2 torchao bitsandbytes` "
+        "(torch stays 2.13.0).",
+        "",
+    ]
+    if summary:
+        header += ["## Summary", "", *summary, ""]
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text("\n".join(header + sections))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))
+    main()
