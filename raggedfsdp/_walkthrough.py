@@ -87,7 +87,9 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     if args.worker:
         worker()
-        return 0
+        # no interpreter teardown in a rank: see raggedfsdp/train/_loop.py
+        sys.stdout.flush()
+        os._exit(0)
     from torch.distributed.run import main as torchrun
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")

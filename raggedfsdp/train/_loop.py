@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import statistics
 import sys
 import time
@@ -288,4 +289,11 @@ def plot_losses(runs: dict[str, Path], png: Path, title: str) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    code = main(sys.argv[1:])
+    # Leave without interpreter teardown: gloo's worker threads may still hold work
+    # objects whose tensors need the GIL, and finalization then aborts the process
+    # (SIGABRT, "terminate called without an active exception"; pytorch/pytorch#179291).
+    # Everything is written and the process group destroyed by now.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
