@@ -575,15 +575,41 @@ def _convergence_section(res: dict, model: str, steps: int, world: int) -> list[
     ]
 
 
+_ADAMW8BIT_RUNNER = """
+import argparse, json, sys
+sys.path[:0] = json.loads(sys.argv[2])
+import _adamw8bit_bench
+print(_adamw8bit_bench.run(argparse.Namespace(**json.loads(sys.argv[1]))))
+"""
+
+
 def _adamw8bit_section(args) -> list[str]:
+    """helper module ``_adamw8bit_bench``'s section, run in its own process (with a timeout)."""
+    title = "## 4. 8-bit AdamW"
     if args.skip_adamw8bit:
-        return ["## 4. 8-bit AdamW", "", "Skipped (`--skip-adamw8bit`).", ""]
+        return [title, "", "Skipped (`--skip-adamw8bit`).", ""]
+    here = Path(__file__).resolve().parent
+    if not (here / "_adamw8bit_bench.py").exists():
+        return [title, "", "Pending: `benchmarks/_adamw8bit_bench.py` is absent.", ""]
+    options = {
+        k: v
+        for k, v in vars(args).items()
+        if k.startswith("adamw8bit") or k in ("quick", "command")
+    }
+    cmd = [sys.executable, "-c", _ADAMW8BIT_RUNNER, json.dumps(options)]
+    cmd.append(json.dumps([str(ROOT), str(here)]))
+    timeout = min(args.timeout, 600.0)  # the section takes ~3 min; a blocked rank never ends
     try:
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
-        import _adamw8bit_bench
-    except ImportError:
-        return ["## 4. 8-bit AdamW", "", "Pending: `benchmarks/_adamw8bit_bench.py` is absent.", ""]
-    return [_adamw8bit_bench.run(args).replace("## 8-bit AdamW", "## 4. 8-bit AdamW", 1), ""]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    except subprocess.TimeoutExpired:
+        return [title, "", f"Failed: did not finish in {timeout:.0f} s (a rank blocked?).", ""]
+    text = (
+        proc.stdout[proc.stdout.find("## 8-bit AdamW") :] if "## 8-bit AdamW" in proc.stdout else ""
+    )
+    if proc.returncode != 0 or not text:
+        why = _crash_reason(proc.stdout + proc.stderr)
+        return [title, "", f"Failed (exit {proc.returncode}): `{why}`.", ""]
+    return [text.replace("## 8-bit AdamW", title, 1), ""]
 
 
 def main() -> None:
@@ -626,6 +652,25 @@ def main() -> None:
     conv_steps = 20 if args.quick else args.conv_steps
     sections: list[str] = []
     summary: list[str] = []
+
+    def write(done: bool = False) -> None:
+        """The results so far (a later section that crashes leaves the earlier ones)."""
+        status = "" if done else " (incomplete: still running or stopped)"
+        header = [
+            "# Structure-aware optimizers: Muon (and 8-bit AdamW)",
+            "",
+            f"Command: `{command}` ({time.perf_counter() - start:.0f} s{status}). Versions: "
+            f"{_versions()}; Python {platform.python_version()}; {platform.machine()}, "
+            f"{os.cpu_count()} cores (shared: other jobs may load the machine, so compare "
+            "ratios within a table, and CPU work rather than wall time). Peers installed with "
+            "`pip install --no-deps muon-fsdp2 torchao bitsandbytes` (torch stays 2.13.0).",
+            "",
+        ]
+        if summary:
+            header += ["## Summary", "", *summary, ""]
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text("\n".join(header + sections))
+
     if not args.skip_muon:
         results = {}
         for model, world in cells:
@@ -638,8 +683,10 @@ def main() -> None:
             results[model, world] = res
         sections += _muon_section(results, steps)
         summary += _muon_summary(results)
+        write()
     print("catalogue", flush=True)
     sections += _catalogue_section(args.catalogue_worlds, (0.0, 0.01))
+    write()
     if not args.skip_convergence:
         print("convergence", flush=True)
         job = dict(
@@ -651,22 +698,10 @@ def main() -> None:
         )
         res = _run_job(job, args.timeout)
         sections += _convergence_section(res, args.conv_model, conv_steps, args.conv_world)
+        write()
     print("8-bit AdamW", flush=True)
     sections += _adamw8bit_section(args)
-    header = [
-        "# Structure-aware optimizers: Muon (and 8-bit AdamW)",
-        "",
-        f"Command: `{command}` ({time.perf_counter() - start:.0f} s). Versions: {_versions()}; "
-        f"Python {platform.python_version()}; {platform.machine()}, {os.cpu_count()} cores "
-        "(shared: other jobs may load the machine, so compare ratios within a table). "
-        "Peers installed with `pip install --no-deps muon-fsdp2 torchao bitsandbytes` "
-        "(torch stays 2.13.0).",
-        "",
-    ]
-    if summary:
-        header += ["## Summary", "", *summary, ""]
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text("\n".join(header + sections))
+    write(done=True)
     print(f"wrote {args.out}")
 
 
