@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 VENV_STAMP := .venv/.installed
 
-.PHONY: demo test lint venv clean
+.PHONY: demo test lint venv clean bench bench-peers
 
 $(VENV_STAMP): pyproject.toml
 	python3 -m venv .venv
@@ -22,6 +22,35 @@ lint: $(VENV_STAMP)
 
 test: lint
 	$(PY) -m pytest -q tests
+
+# Benchmarks (benchmarks/run_all.py): planner, step, optim, and peers when .venv-peers exists.
+bench: $(VENV_STAMP)
+	$(PY) benchmarks/run_all.py
+
+# Peers (DeepSpeed ZeRO-3, Megatron-FSDP) live in their own optional environment, with
+# torch pinned by a constraint so that no package can replace it; a peer that fails to
+# install is left out (its log stays in .venv-peers/) and benchmarks/peers.py says so.
+PEERS_PY := .venv-peers/bin/python
+PEERS_STAMP := .venv-peers/.installed
+PEERS_PIP := PIP_CONSTRAINT=$(CURDIR)/.venv-peers/constraints.txt DS_BUILD_OPS=0 $(PEERS_PY) -m pip
+
+$(PEERS_STAMP): pyproject.toml
+	python3 -m venv .venv-peers
+	echo "torch==2.13.0" > .venv-peers/constraints.txt
+	$(PEERS_PIP) install --quiet --upgrade pip
+	$(PEERS_PIP) install --quiet "torch==2.13.0"
+	$(PEERS_PIP) install --quiet -e .
+	$(PEERS_PIP) install "deepspeed==0.19.*" > .venv-peers/install-deepspeed.log 2>&1 \
+		|| echo "deepspeed not installed: see .venv-peers/install-deepspeed.log"
+	$(PEERS_PIP) install "megatron-fsdp==0.6.*" > .venv-peers/install-megatron-fsdp.log 2>&1 \
+		|| echo "megatron-fsdp not installed: see .venv-peers/install-megatron-fsdp.log"
+	$(PEERS_PY) -m pip list 2>/dev/null | grep -i -E "^(torch|deepspeed|megatron-fsdp) "
+	$(PEERS_PY) -c "import torch, sys; v = torch.__version__; \
+		sys.exit(0 if v.split('+')[0] == '2.13.0' else f'.venv-peers has torch {v}, not 2.13.0')"
+	touch $(PEERS_STAMP)
+
+bench-peers: $(PEERS_STAMP)
+	$(PEERS_PY) benchmarks/peers.py
 
 clean:
 	rm -rf .venv build *.egg-info
