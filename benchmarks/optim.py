@@ -1,6 +1,6 @@
 """Structure-aware optimizers: distributed Muon against its baseline and peers, in one run.
 
-    .venv/bin/python benchmarks/optim.py            # every section (~20 min on 2 shared cores)
+    .venv/bin/python benchmarks/optim.py            # every section (~5 min on 2 idle cores)
     .venv/bin/python benchmarks/optim.py --quick    # smoke run: small model, few steps
     .venv/bin/python benchmarks/optim.py --cells llama-small:4 --skip-adamw8bit  # shorter
 
