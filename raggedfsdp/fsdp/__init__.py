@@ -1,14 +1,23 @@
-"""``fully_shard``: FSDP2's API over RaggedShard buffers (see DESIGN.md, "Execution")."""
+"""``fully_shard``: FSDP2's API over RaggedShard buffers (see DESIGN.md, "Execution").
+
+``buffers_of`` / ``buffer_of`` are the one way into a sharded model's flat buffers
+(optimizers, profiling, tools): see ``raggedfsdp.fsdp._buffers``.
+"""
 
 from raggedfsdp.fsdp._api import FSDPModule, UnshardHandle, fully_shard
+from raggedfsdp.fsdp._buffers import BufferView, ParamSlice, buffer_of, buffers_of
 from raggedfsdp.fsdp._group_ops import clip_grad_norm_
 from raggedfsdp.fsdp._policy import BlockPolicy, MixedPrecisionPolicy
 
 __all__ = [
     "BlockPolicy",
+    "BufferView",
     "FSDPModule",
     "MixedPrecisionPolicy",
+    "ParamSlice",
     "UnshardHandle",
+    "buffer_of",
+    "buffers_of",
     "clip_grad_norm_",
     "fully_shard",
 ]

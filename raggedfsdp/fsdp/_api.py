@@ -10,17 +10,12 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from raggedfsdp.fsdp._param_group import ParamGroup, ParamRef
 from raggedfsdp.fsdp._policy import BlockPolicy, BlockRows, MixedPrecisionPolicy
-from raggedfsdp.fsdp._state import FSDPState
+from raggedfsdp.fsdp._state import FSDPState, state_of
 from raggedfsdp.planner import DEFAULT_ALIGNMENT_BYTES
 
 __all__ = ["FSDPModule", "UnshardHandle", "fully_shard"]
 
-_STATE_ATTR = "_raggedfsdp_state"
 _NO_MIXED_PRECISION = MixedPrecisionPolicy()
-
-
-def _state_of(module: nn.Module) -> FSDPState | None:
-    return module.__dict__.get(_STATE_ATTR)
 
 
 def fully_shard(
@@ -62,7 +57,7 @@ def fully_shard(
         ValueError: ``fully_shard`` twice on one module, a mesh that is not 1-D, a
             block that does not divide a parameter's rows, a bad policy.
     """
-    if _state_of(module) is not None:
+    if state_of(module) is not None:
         raise ValueError(
             f"fully_shard: {type(module).__name__} was already passed to fully_shard; "
             "call it once per module (bottom-up: blocks first, then the root)"
@@ -93,8 +88,7 @@ def fully_shard(
         if refs
         else None
     )
-    state = FSDPState(module, group, mesh, mp_policy, reshard_after_forward)
-    module.__dict__[_STATE_ATTR] = state
+    FSDPState(module, group, mesh, mp_policy, reshard_after_forward)
     cls = module.__class__
     module.__class__ = _fsdp_class(cls)
     return module
@@ -107,7 +101,7 @@ def _collect_params(module: nn.Module, ignored: set) -> tuple[list[ParamRef], li
     managed_elsewhere: set[int] = set()
 
     def visit(mod: nn.Module, prefix: str, top: bool) -> None:
-        if not top and _state_of(mod) is not None:  # a nested fully_shard owns this subtree
+        if not top and state_of(mod) is not None:  # a nested fully_shard owns this subtree
             managed_elsewhere.update(id(p) for p in mod.parameters())
             return
         for name, p in mod._parameters.items():
@@ -154,11 +148,11 @@ class FSDPModule:
 
     def _fsdp_states(self, recurse: bool) -> list[FSDPState]:
         mods = self.modules() if recurse else [self]
-        return [s for m in mods if (s := _state_of(m)) is not None]
+        return [s for m in mods if (s := state_of(m)) is not None]
 
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:
         """All-gather this module's parameters now (``async_op``: return a handle)."""
-        group = _state_of(self).group
+        group = state_of(self).group
         if group is not None:
             group.unshard(async_op=True)
         handle = UnshardHandle(group)
@@ -169,7 +163,7 @@ class FSDPModule:
 
     def reshard(self) -> None:
         """Free this module's unsharded parameters."""
-        group = _state_of(self).group
+        group = state_of(self).group
         if group is not None:
             group.reshard()
 
@@ -200,11 +194,11 @@ class FSDPModule:
 
     def set_modules_to_forward_prefetch(self, modules: Iterable[FSDPModule]) -> None:
         """All-gather these modules' parameters at the start of this module's forward."""
-        _state_of(self).forward_prefetch = [_checked_state(m) for m in modules]
+        state_of(self).forward_prefetch = [_checked_state(m) for m in modules]
 
     def set_modules_to_backward_prefetch(self, modules: Iterable[FSDPModule]) -> None:
         """All-gather these modules' parameters at the start of this module's backward."""
-        _state_of(self).backward_prefetch = [_checked_state(m) for m in modules]
+        state_of(self).backward_prefetch = [_checked_state(m) for m in modules]
 
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Sum gradients and divide by ``factor`` instead of averaging over ranks."""
@@ -223,7 +217,7 @@ class FSDPModule:
 
 
 def _checked_state(module) -> FSDPState:
-    state = _state_of(module)
+    state = state_of(module)
     if state is None:
         raise ValueError(f"expected a module passed to fully_shard, got {type(module).__name__}")
     return state

@@ -1,6 +1,6 @@
 """Group operations: one kernel per buffer instead of one per parameter.
 
-``buffers_of(params)`` splits a parameter list into whole DBuffers (every parameter
+``split_whole_buffers(params)`` splits a parameter list into whole DBuffers (every parameter
 of the buffer is in the list) and the rest, handled per tensor. A whole buffer's
 element-wise work runs on its flat shard storage: padding elements hold zeros in
 the gradient and never change the result.
@@ -17,10 +17,10 @@ from torch.distributed.tensor import DTensor
 
 from raggedfsdp.fsdp._param_group import ParamGroup, owner_of
 
-__all__ = ["buffers_of", "clip_grad_norm_"]
+__all__ = ["clip_grad_norm_", "split_whole_buffers"]
 
 
-def buffers_of(params: Iterable[torch.Tensor]) -> tuple[list[ParamGroup], list[torch.Tensor]]:
+def split_whole_buffers(params: Iterable[torch.Tensor]) -> tuple[list[ParamGroup], list[torch.Tensor]]:
     """``(groups whose every parameter is in params, the other parameters)``."""
     params = list(params)
     by_group: dict[int, tuple[ParamGroup, list]] = {}
@@ -71,7 +71,7 @@ def clip_grad_norm_(
         parameters = parameters.parameters()
     params = [p for p in parameters if p.grad is not None]
     norm_type = float(norm_type)
-    groups, rest = buffers_of(params)
+    groups, rest = split_whole_buffers(params)
     sharded = [_local(g.dbuf.shard_grad) for g in groups]  # 1D, S elements each
     sharded += [_local(p.grad) for p in rest if isinstance(p.grad, DTensor)]
     replicated = [p.grad for p in rest if not isinstance(p.grad, DTensor)]

@@ -11,21 +11,21 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from raggedfsdp.dbuffer import DBuffer
+from raggedfsdp.fsdp._buffers import OWNER_ATTR, BufferView
 from raggedfsdp.fsdp._policy import MixedPrecisionPolicy, resolve_block_rows
 from raggedfsdp.placement import RaggedShard
 from raggedfsdp.planner import TensorSpec, plan_buffer
 
 __all__ = ["ParamGroup", "ParamRef", "ShardedState", "owner_of"]
 
-# A sharded parameter knows its (group, ref): how optimizers and group ops find buffers.
-# An attribute, not a weak-keyed registry: Module._apply swaps tensors (swap_tensors),
-# which refuses tensors that have weak references.
-_OWNER_ATTR = "_raggedfsdp_owner"
-
 
 def owner_of(param: torch.Tensor) -> tuple[ParamGroup, ParamRef] | None:
     """The ``(ParamGroup, ParamRef)`` of a sharded parameter, or None for other tensors."""
-    return getattr(param, _OWNER_ATTR, None)
+    owner = getattr(param, OWNER_ATTR, None)
+    if owner is None:
+        return None
+    group, index = owner
+    return group, group.refs[index]
 
 
 class ShardedState(enum.Enum):
@@ -68,6 +68,7 @@ class ParamGroup:
         self, refs, originals, mesh, mp_policy: MixedPrecisionPolicy, block_policy, alignment_bytes
     ):
         self.refs: list[ParamRef] = refs
+        self.view = BufferView(self)  # the public handle (raggedfsdp.fsdp.buffers_of)
         self.mesh = mesh
         self.process_group = mesh.get_group(0)
         self.rank, self.world = mesh.get_local_rank(0), mesh.size(0)
@@ -126,7 +127,7 @@ class ParamGroup:
             ref.sharded = nn.Parameter(dt, requires_grad=ref.requires_grad)
         else:  # re-point an existing parameter (after to_empty / _apply), keeping its identity
             ref.sharded._local_tensor = dt._local_tensor
-        setattr(ref.sharded, _OWNER_ATTR, (self, ref))
+        setattr(ref.sharded, OWNER_ATTR, (self, self.refs.index(ref)))
 
     def reset_after_apply(self) -> None:
         """Rebuild the storages after ``Module._apply`` (``to_empty``, ``to``, ``float``).

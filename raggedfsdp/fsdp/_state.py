@@ -17,6 +17,7 @@ that tells every rank which parameters received a gradient on any rank.
 from __future__ import annotations
 
 import enum
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -24,10 +25,19 @@ from torch import nn
 from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from raggedfsdp.fsdp._param_group import ParamGroup
 from raggedfsdp.fsdp._policy import MixedPrecisionPolicy
 
-__all__ = ["FSDPState", "TrainingState"]
+if TYPE_CHECKING:
+    from raggedfsdp.fsdp._param_group import ParamGroup
+
+__all__ = ["FSDPState", "TrainingState", "state_of"]
+
+_STATE_ATTR = "_raggedfsdp_state"
+
+
+def state_of(module: nn.Module) -> FSDPState | None:
+    """The ``FSDPState`` of a module passed to ``fully_shard``, else None."""
+    return module.__dict__.get(_STATE_ATTR)
 
 
 class TrainingState(enum.Enum):
@@ -68,16 +78,15 @@ class FSDPState:
         self._forward_order: list[FSDPState] = []
         self._recording = True
         self._callback_queued = False
+        module.__dict__[_STATE_ATTR] = self
         module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
         module.register_forward_hook(self._post_forward, with_kwargs=True)
 
     # ---- root -----------------------------------------------------------------------------
     def _lazy_init(self) -> None:
-        from raggedfsdp.fsdp._api import _state_of  # the states of the module tree
-
         self.is_root = True
         self.root = self
-        self._states = [s for m in self.module.modules() if (s := _state_of(m)) is not None]
+        self._states = [s for m in self.module.modules() if (s := state_of(m)) is not None]
         for s in self._states:
             if s is not self:
                 if s.is_root:

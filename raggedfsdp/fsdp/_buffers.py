@@ -1,0 +1,229 @@
+"""The one public way into a sharded model's buffers: ``buffers_of`` and ``buffer_of``.
+
+Optimizers, clipping, profiling, checkpoints and benchmarks that want to work on
+whole buffers (one kernel per buffer instead of one per parameter) read them here,
+never through ``ParamGroup`` or ``DBuffer`` directly::
+
+    for buf in buffers_of(model):            # every buffer under fully_shard'd modules
+        buf.shard                            # 1D, S elements: this rank's shard storage
+        buf.shard_grad                       # 1D, S (0 elements while freed)
+        for s in buf.params:                 # ParamSlice: fqn, param, [start, stop)
+            buf.shard[s.start : s.stop]      # == s.param.to_local().view(-1)
+
+    found = buffer_of(p)                     # (BufferView, ParamSlice) or None
+
+A ``BufferView`` is live: it reads the buffer as it is now, so it stays right
+after ``to_empty`` / ``Module.to`` rebuild the storages. There is one view per
+buffer (the same object each time), so views can key dictionaries.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from raggedfsdp.fsdp._state import state_of
+from raggedfsdp.planner import BufferLayout
+
+if TYPE_CHECKING:
+    from raggedfsdp.fsdp._param_group import ParamGroup
+
+__all__ = ["BufferView", "ParamSlice", "buffer_of", "buffers_of"]
+
+# A sharded parameter knows its (group, index): how buffer_of finds its buffer.
+# An attribute, not a weak-keyed registry: Module._apply swaps tensors (swap_tensors),
+# which refuses tensors that have weak references.
+OWNER_ATTR = "_raggedfsdp_owner"
+
+
+@dataclass(frozen=True)
+class ParamSlice:
+    """One parameter of a buffer, as this rank holds it.
+
+    Args:
+        fqn: the parameter's name, relative to the module passed to ``fully_shard``.
+        param: the sharded parameter (an ``nn.Parameter`` holding a RaggedShard DTensor).
+        start: first element of this rank's part in the shard storage.
+        stop: one past its last (``start == stop`` when this rank holds none of it).
+        requires_grad: whether the parameter is trainable.
+    """
+
+    fqn: str
+    param: nn.Parameter
+    start: int
+    stop: int
+    requires_grad: bool
+
+    @property
+    def numel(self) -> int:
+        """Elements of this parameter on this rank."""
+        return self.stop - self.start
+
+
+class BufferView:
+    """One flat buffer of a ``fully_shard`` group, read through (see the module docstring).
+
+    Storages (all 1-D): ``shard`` (S elements, the sharded parameters' data),
+    ``shard_grad`` (S, the sharded ``.grad``s' data; 0 elements while freed),
+    ``unsharded`` and ``unsharded_grad`` (m * S in the compute dtype; 0 elements
+    while freed: between forward and backward when resharded, and outside backward).
+    """
+
+    __slots__ = ("_group",)
+
+    def __init__(self, group: ParamGroup):
+        self._group = group
+
+    def __repr__(self) -> str:
+        return f"BufferView({len(self.params)} params, {self.layout.describe()})"
+
+    # ---- layout and placement -------------------------------------------------------------
+    @property
+    def layout(self) -> BufferLayout:
+        """The planner's layout of this buffer (identical on every rank)."""
+        return self._group.layout
+
+    @property
+    def rank(self) -> int:
+        """This rank's index on the mesh dim the buffer is sharded over."""
+        return self._group.rank
+
+    @property
+    def world_size(self) -> int:
+        """Ranks the buffer is sharded over."""
+        return self._group.world
+
+    @property
+    def mesh(self):
+        """The ``DeviceMesh`` of the sharded parameters."""
+        return self._group.mesh
+
+    @property
+    def process_group(self):
+        """The process group the buffer's collectives run over."""
+        return self._group.process_group
+
+    @property
+    def device(self) -> torch.device:
+        return self._group.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype of the sharded parameters and their gradients."""
+        return self._group.dtype
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype of the unsharded parameters and gradients (``param_dtype``)."""
+        return self._group.compute_dtype
+
+    # ---- storages -------------------------------------------------------------------------
+    @property
+    def shard(self) -> torch.Tensor:
+        """This rank's shard storage: 1D, S elements."""
+        return self._group.dbuf.shard
+
+    @property
+    def shard_grad(self) -> torch.Tensor:
+        """This rank's shard gradient storage: 1D, S elements (0 while freed)."""
+        return self._group.dbuf.shard_grad
+
+    @property
+    def unsharded(self) -> torch.Tensor:
+        """The global parameter storage: 1D, m * S elements (0 while freed)."""
+        return self._group.dbuf.global_params.tensor
+
+    @property
+    def unsharded_grad(self) -> torch.Tensor:
+        """The global gradient storage: 1D, m * S elements (0 while freed)."""
+        return self._group.dbuf.global_grads.tensor
+
+    @property
+    def unsharded_nbytes(self) -> int:
+        """Bytes of ``unsharded`` (and of ``unsharded_grad``) while allocated."""
+        return self.layout.global_size * self.compute_dtype.itemsize
+
+    def storages(self) -> tuple[torch.Tensor, ...]:
+        """``(shard, shard_grad, unsharded, unsharded_grad)``."""
+        return (self.shard, self.shard_grad, self.unsharded, self.unsharded_grad)
+
+    # ---- parameters -----------------------------------------------------------------------
+    @property
+    def params(self) -> tuple[ParamSlice, ...]:
+        """Every parameter of the buffer, in the order of the module's parameters."""
+        group = self._group
+        return tuple(
+            ParamSlice(
+                ref.fqn,
+                ref.sharded,
+                *group.layout.shard_range(ref.fqn, group.rank),
+                ref.requires_grad,
+            )
+            for ref in group.refs
+        )
+
+    def slice_of(self, param: torch.Tensor) -> ParamSlice:
+        """The ``ParamSlice`` of ``param``, a sharded parameter of this buffer.
+
+        Raises:
+            ValueError: ``param`` is not a parameter of this buffer.
+        """
+        owner = getattr(param, OWNER_ATTR, None)
+        if owner is None or owner[0] is not self._group:
+            raise ValueError(
+                "BufferView.slice_of: the tensor is not a sharded parameter of this buffer; "
+                "use buffer_of(param) to find its buffer"
+            )
+        return self.params[owner[1]]
+
+    def grads_are_views(self) -> bool:
+        """Whether every trainable parameter's ``.grad`` is its view of ``shard_grad``.
+
+        Then stepping ``shard`` with ``shard_grad`` as whole tensors updates exactly
+        what stepping each parameter with its ``.grad`` would (frozen parameters and
+        padding hold zero gradients).
+        """
+        return all(
+            ref.sharded.grad is not None and ref.sharded.grad is ref.sharded_grad
+            for ref in self._group.refs
+            if ref.requires_grad
+        )
+
+
+def buffer_of(param: torch.Tensor) -> tuple[BufferView, ParamSlice] | None:
+    """``(its buffer, its slice)`` for a parameter sharded by ``fully_shard``, else None."""
+    owner = getattr(param, OWNER_ATTR, None)
+    if owner is None:
+        return None
+    group, index = owner
+    view = group.view
+    return view, view.params[index]
+
+
+def buffers_of(obj: nn.Module | Iterable[torch.Tensor]) -> list[BufferView]:
+    """The buffers of a sharded model, or the buffers holding some parameters.
+
+    Args:
+        obj: a module (every buffer of the ``fully_shard`` groups in its tree, in
+            module order) or tensors (the buffers holding any of them, in first-seen
+            order; tensors that ``fully_shard`` did not shard are skipped).
+
+    Returns:
+        A list of ``BufferView``s, each buffer once.
+    """
+    views: dict[int, BufferView] = {}
+    if isinstance(obj, nn.Module):
+        for m in obj.modules():
+            state = state_of(m)
+            if state is not None and state.group is not None:
+                views.setdefault(id(state.group), state.group.view)
+        return list(views.values())
+    for t in obj:
+        found = buffer_of(t)
+        if found is not None:
+            views.setdefault(id(found[0]), found[0])
+    return list(views.values())
