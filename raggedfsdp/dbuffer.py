@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from raggedfsdp.placement import RaggedShard
 from raggedfsdp.planner import BufferLayout
 
 __all__ = ["DBuffer", "FlatStorage"]
@@ -99,7 +100,7 @@ class DBuffer:
     # ---- views ----------------------------------------------------------------------------
     def _local_view(self, flat: torch.Tensor, name: str) -> torch.Tensor:
         start, stop = self.layout.shard_range(name, self.rank)
-        placement = self.layout.ragged_shard(name)
+        placement = RaggedShard.from_layout(self.layout, name)
         shape = placement.local_shape(self.layout[name].shape, self.rank)
         return flat[start:stop].view(shape)
 
@@ -124,21 +125,31 @@ class DBuffer:
         return self._global_view(self.global_grads.tensor, name)
 
     # ---- collectives ----------------------------------------------------------------------
-    def all_gather(self, group, *, async_op: bool) -> dist.Work | None:
+    def all_gather(self, group, *, async_op: bool) -> tuple[dist.Work | None, torch.Tensor]:
         """Fill the global parameter storage from every rank's shard: one collective.
 
         Under mixed precision the input is one cast of the whole shard; otherwise the
         shard storage itself.
+
+        Returns:
+            ``(work, input)``: keep ``input`` alive until the work is waited.
         """
         out = self.global_params.alloc()
         inp = self.shard if self.compute_dtype == self.dtype else self.shard.to(self.compute_dtype)
-        return dist.all_gather_single(out, inp, group=group, async_op=async_op)
+        return dist.all_gather_single(out, inp, group=group, async_op=async_op), inp
 
     def reduce_scatter_grads(
         self, out: torch.Tensor, group, op, reduce_dtype: torch.dtype, *, async_op: bool
-    ) -> dist.Work | None:
-        """Reduce-scatter the global gradient storage into ``out`` (S elements)."""
+    ) -> tuple[dist.Work | None, torch.Tensor | None]:
+        """Reduce-scatter the global gradient storage into ``out`` (S elements).
+
+        Returns:
+            ``(work, cast)``: ``cast`` is the reduce-dtype copy of the gradients (None
+            when the dtypes agree); keep it alive until the work is waited.
+        """
         inp = self.global_grads.tensor
-        if reduce_dtype != inp.dtype:
-            inp = inp.to(reduce_dtype)  # one cast of the whole buffer
-        return dist.reduce_scatter_single(out, inp, op=op, group=group, async_op=async_op)
+        cast = inp.to(reduce_dtype) if reduce_dtype != inp.dtype else None  # one cast, whole
+        work = dist.reduce_scatter_single(
+            out, inp if cast is None else cast, op=op, group=group, async_op=async_op
+        )
+        return work, cast

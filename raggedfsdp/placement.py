@@ -75,6 +75,15 @@ class RaggedShard(Placement):
         self.local_units = units
 
     # ---- identity -------------------------------------------------------------------------
+    @classmethod
+    def from_layout(cls, layout, name: str) -> RaggedShard:
+        """The placement of tensor ``name`` in a planner ``BufferLayout``.
+
+        The planner stays free of torch; the runtime turns its layout into placements here.
+        """
+        dims, units = layout.ragged_shard_args(name)
+        return cls(dims=dims, local_units=units)
+
     def __eq__(self, other: object) -> bool:
         return (
             isinstance(other, RaggedShard)

@@ -10,7 +10,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from raggedfsdp.fsdp._param_group import ParamGroup, ParamRef
 from raggedfsdp.fsdp._policy import BlockPolicy, BlockRows, MixedPrecisionPolicy
-from raggedfsdp.fsdp._state import FSDPState, state_of
+from raggedfsdp.fsdp._state import FSDPState, resolve_reshard_after_forward, state_of
 from raggedfsdp.planner import DEFAULT_ALIGNMENT_BYTES
 
 __all__ = ["FSDPModule", "UnshardHandle", "fully_shard"]
@@ -41,7 +41,8 @@ def fully_shard(
         mesh: a 1-D ``DeviceMesh``. Default: all ranks of the default process group.
         reshard_after_forward: free the unsharded parameters after forward (True),
             keep them until after backward (False), or keep them sharded over groups
-            of this many consecutive ranks (an int that divides the mesh size).
+            of this many consecutive ranks (an int that divides the mesh size; as in
+            FSDP2, 1 means False, with a warning, and the mesh size means True).
             Default None, as in FSDP2: True, except for the root, whose parameters
             backward needs first (an explicit True reshards the root too).
         mp_policy: mixed precision. Default: none.
@@ -82,9 +83,18 @@ def fully_shard(
             f"fully_shard: mp_policy must be a MixedPrecisionPolicy, got {type(mp_policy).__name__}"
         )
 
+    resolve_reshard_after_forward(reshard_after_forward, mesh.size(0))  # raises on bad input
     refs, originals = _collect_params(module, set(ignored_params or ()))
     group = (
-        ParamGroup(refs, originals, mesh, mp_policy, block_policy, alignment_bytes)
+        ParamGroup(
+            refs,
+            originals,
+            mesh,
+            mp_policy,
+            block_policy,
+            alignment_bytes,
+            name=type(module).__name__,
+        )
         if refs
         else None
     )
@@ -172,41 +182,39 @@ class FSDPModule:
     ) -> None:
         """False: accumulate unsharded gradients locally (no reduce-scatter) across backwards."""
         for s in self._fsdp_states(recurse):
-            if s.group is not None:
-                s.group.requires_gradient_sync = requires_gradient_sync
+            s.set_requires_gradient_sync(requires_gradient_sync)
 
     def set_reshard_after_backward(
         self, reshard_after_backward: bool, *, recurse: bool = True
     ) -> None:
+        """Whether backward frees the unsharded parameters (default True)."""
         for s in self._fsdp_states(recurse):
-            s.reshard_after_backward = reshard_after_backward
+            s.set_reshard_after_backward(reshard_after_backward)
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
+        """Change ``reshard_after_forward`` at runtime (a bool, as in FSDP2)."""
         if not isinstance(reshard_after_forward, bool):
             raise ValueError(
                 "set_reshard_after_forward: reshard_after_forward should be a bool, got "
                 f"{type(reshard_after_forward).__name__}"
             )
         for s in self._fsdp_states(recurse):
-            s.reshard_after_forward = reshard_after_forward
-            s._root_keeps_params = False
-            s._keep_group = None
+            s.set_reshard_after_forward(reshard_after_forward)
 
     def set_modules_to_forward_prefetch(self, modules: Iterable[FSDPModule]) -> None:
         """All-gather these modules' parameters at the start of this module's forward."""
-        state_of(self).forward_prefetch = [_checked_state(m) for m in modules]
+        state_of(self).set_prefetch(forward=[_checked_state(m) for m in modules])
 
     def set_modules_to_backward_prefetch(self, modules: Iterable[FSDPModule]) -> None:
         """All-gather these modules' parameters at the start of this module's backward."""
-        state_of(self).backward_prefetch = [_checked_state(m) for m in modules]
+        state_of(self).set_prefetch(backward=[_checked_state(m) for m in modules])
 
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Sum gradients and divide by ``factor`` instead of averaging over ranks."""
         if not factor > 0:
             raise ValueError(f"set_gradient_divide_factor: factor must be > 0, got {factor}")
         for s in self._fsdp_states(True):
-            if s.group is not None:
-                s.group.gradient_divide_factor = float(factor)
+            s.set_gradient_divide_factor(factor)
 
     def _apply(self, fn, recurse: bool = True):
         out = super()._apply(fn, recurse)  # type: ignore[misc]

@@ -15,28 +15,33 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from raggedfsdp.fsdp._param_group import ParamGroup, owner_of
+from raggedfsdp.fsdp._buffers import BufferView, buffer_of
 
 __all__ = ["clip_grad_norm_", "split_whole_buffers"]
 
 
-def split_whole_buffers(params: Iterable[torch.Tensor]) -> tuple[list[ParamGroup], list[torch.Tensor]]:
-    """``(groups whose every parameter is in params, the other parameters)``."""
-    params = list(params)
-    by_group: dict[int, tuple[ParamGroup, list]] = {}
+def split_whole_buffers(
+    params: Iterable[torch.Tensor],
+) -> tuple[list[BufferView], list[torch.Tensor]]:
+    """``(buffers to treat whole, the other parameters, to treat one by one)``.
+
+    A buffer is whole when every trainable parameter of it is in ``params`` and its
+    ``.grad`` is its view of the shard gradient storage (``grads_are_views``):
+    frozen parameters and padding hold zero gradients there.
+    """
+    by_buffer: dict[int, tuple[BufferView, list]] = {}
     rest = []
     for p in params:
-        owner = owner_of(p)
-        if owner is None:
+        found = buffer_of(p)
+        if found is None:
             rest.append(p)
-            continue
-        group, _ = owner
-        by_group.setdefault(id(group), (group, []))[1].append(p)
+        else:
+            by_buffer.setdefault(id(found[0]), (found[0], []))[1].append(p)
     whole = []
-    for group, members in by_group.values():
-        trainable = sum(ref.requires_grad for ref in group.refs)  # frozen ones hold zero grads
-        if len({id(p) for p in members}) == trainable:
-            whole.append(group)
+    for view, members in by_buffer.values():
+        trainable = {id(s.param) for s in view.params if s.requires_grad}
+        if {id(p) for p in members} == trainable and view.grads_are_views():
+            whole.append(view)
         else:
             rest.extend(members)
     return whole, rest
@@ -72,28 +77,31 @@ def clip_grad_norm_(
     params = [p for p in parameters if p.grad is not None]
     norm_type = float(norm_type)
     groups, rest = split_whole_buffers(params)
-    sharded = [_local(g.dbuf.shard_grad) for g in groups]  # 1D, S elements each
+    sharded = [g.shard_grad for g in groups]  # 1D, S elements each
     sharded += [_local(p.grad) for p in rest if isinstance(p.grad, DTensor)]
     replicated = [p.grad for p in rest if not isinstance(p.grad, DTensor)]
+
+    device = next((t.device for t in sharded + replicated), torch.device("cpu"))
+
+    def zero():
+        return torch.zeros((), device=device)
 
     def norms(tensors):
         return [torch.linalg.vector_norm(t.float(), norm_type) for t in tensors if t.numel()]
 
+    pg = _process_group(groups)
+    reduce_sharded = bool(groups) or any(isinstance(p.grad, DTensor) for p in rest)
     if math.isinf(norm_type):
-        part = max((n.item() for n in norms(sharded)), default=0.0)
-        total = torch.tensor(part)
-        if sharded and dist.is_initialized():
-            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=_process_group(groups))
-        total = torch.stack([total, *norms(replicated)]).max()
+        part = torch.stack([zero(), *norms(sharded)]).max()
+        if reduce_sharded:
+            dist.all_reduce(part, op=dist.ReduceOp.MAX, group=pg)
+        total = torch.stack([part, *norms(replicated)]).max()
     else:
-        part = (
-            torch.stack([n**norm_type for n in norms(sharded)]).sum()
-            if sharded
-            else torch.zeros(())
-        )
-        if groups or any(isinstance(p.grad, DTensor) for p in rest):
-            dist.all_reduce(part, group=_process_group(groups))
-        rep = sum((n**norm_type for n in norms(replicated)), torch.zeros(()))
+        powers = [n**norm_type for n in norms(sharded)]
+        part = torch.stack(powers).sum() if powers else zero()
+        if reduce_sharded:
+            dist.all_reduce(part, group=pg)
+        rep = sum((n**norm_type for n in norms(replicated)), zero())
         total = (part + rep) ** (1.0 / norm_type)
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(
@@ -102,11 +110,11 @@ def clip_grad_norm_(
         )
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for g in groups:
-        g.dbuf.shard_grad.mul_(coef.to(g.dbuf.shard_grad.dtype))
+        g.shard_grad.mul_(coef.to(g.shard_grad.dtype))
     for p in rest:
         _local(p.grad).mul_(coef.to(p.grad.dtype))
     return total
 
 
-def _process_group(groups: list[ParamGroup]):
+def _process_group(groups: list[BufferView]):
     return groups[0].process_group if groups else None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -12,11 +13,20 @@ from torch.distributed.tensor import DTensor
 
 from raggedfsdp.dbuffer import DBuffer
 from raggedfsdp.fsdp._buffers import OWNER_ATTR, BufferView
+from raggedfsdp.fsdp._device import streams_for
 from raggedfsdp.fsdp._policy import MixedPrecisionPolicy, resolve_block_rows
+from raggedfsdp.fsdp._state import PostForwardGroup
 from raggedfsdp.placement import RaggedShard
 from raggedfsdp.planner import TensorSpec, plan_buffer
 
-__all__ = ["ParamGroup", "ParamRef", "ShardedState", "owner_of"]
+__all__ = [
+    "ParamGroup",
+    "ParamRef",
+    "PendingGather",
+    "PendingReduce",
+    "ShardedState",
+    "owner_of",
+]
 
 
 def owner_of(param: torch.Tensor) -> tuple[ParamGroup, ParamRef] | None:
@@ -29,8 +39,29 @@ def owner_of(param: torch.Tensor) -> tuple[ParamGroup, ParamRef] | None:
 
 
 class ShardedState(enum.Enum):
-    SHARDED = "sharded"  # modules hold the RaggedShard parameters
+    """Where a group's parameters are (see [Note: group states])."""
+
+    SHARDED = "sharded"  # modules hold the RaggedShard parameters; global storage freed
+    SHARDED_POST_FORWARD = "sharded_post_forward"  # sharded, plus a piece kept for backward
     UNSHARDED = "unsharded"  # modules hold views of the global storage
+
+
+class PendingGather(NamedTuple):
+    """An all-gather in flight (``unshard`` issued it, ``wait_for_unshard`` ends it)."""
+
+    work: dist.Work
+    version: int  # version counter of the global storage before the gather (see [Note])
+    input: torch.Tensor  # 1D: the shard, its cast, or the post-forward piece; alive until wait
+
+
+class PendingReduce(NamedTuple):
+    """A reduce-scatter issued by ``post_backward``, until ``finalize_grads`` consumes it."""
+
+    work: dist.Work | None  # None once waited
+    output: torch.Tensor  # 1D, S elements, reduce dtype: the shard gradient storage if direct
+    direct: bool  # output is the shard gradient storage itself (nothing to add or cast)
+    input: torch.Tensor | None  # the cast gradients (reduce dtype != compute dtype); alive
+    earlier: torch.Tensor | None  # a finished reduce of this backward to add (see post_backward)
 
 
 @dataclass(eq=False)
@@ -56,19 +87,45 @@ class ParamRef:
 class ParamGroup:
     """One buffer's worth of parameters: shard, unshard, reshard, reduce gradients.
 
+    [Note: group states]
+    ``state`` is one of ``ShardedState``; every transition checks the state it
+    starts from and fails at once, naming the group and both states, when hooks run
+    in a wrong order::
+
+        SHARDED --unshard/wait--> UNSHARDED --reshard()--> SHARDED
+                                  UNSHARDED --reshard(post_forward)--> SHARDED_POST_FORWARD
+        SHARDED_POST_FORWARD --unshard/wait--> UNSHARDED  (a gather over the smaller group)
+        SHARDED_POST_FORWARD --reshard()--> SHARDED       (the kept piece is dropped)
+
+    Collectives in flight are records: ``PendingGather`` between ``unshard`` and
+    ``wait_for_unshard``, ``PendingReduce`` between ``post_backward`` and
+    ``finalize_grads``. Streams: see [Note: streams] in ``_device.py``.
+
     Args:
         refs: the group's parameters (module order).
+        originals: the parameters as the module held them (same order).
         mesh: a 1-D DeviceMesh.
         mp_policy: mixed precision.
         block_policy: rows per block, see ``BlockPolicy``.
         alignment_bytes: planner alignment.
+        name: how messages name the group (the module's class).
     """
 
     def __init__(
-        self, refs, originals, mesh, mp_policy: MixedPrecisionPolicy, block_policy, alignment_bytes
+        self,
+        refs,
+        originals,
+        mesh,
+        mp_policy: MixedPrecisionPolicy,
+        block_policy,
+        alignment_bytes,
+        name: str = "",
     ):
         self.refs: list[ParamRef] = refs
         self.view = BufferView(self)  # the public handle (raggedfsdp.fsdp.buffers_of)
+        self.name = (
+            f"{name}({', '.join(r.fqn for r in refs[:3])}{', ...' if len(refs) > 3 else ''})"
+        )
         self.mesh = mesh
         self.process_group = mesh.get_group(0)
         self.rank, self.world = mesh.get_local_rank(0), mesh.size(0)
@@ -81,6 +138,7 @@ class ParamGroup:
             )
         self.dtype = dtypes.pop()
         self.device = originals[0].device
+        self.streams = streams_for(self.device)
         self.mp_policy = mp_policy
         self.compute_dtype = mp_policy.param_dtype or self.dtype
         self.reduce_dtype = mp_policy.reduce_dtype or self.compute_dtype
@@ -100,23 +158,27 @@ class ParamGroup:
         )
         self.dbuf = DBuffer(self.layout, self.rank, self.dtype, self.device, self.compute_dtype)
         for ref, p in zip(refs, originals):
-            ref.placement = self.layout.ragged_shard(ref.fqn)
+            ref.placement = RaggedShard.from_layout(self.layout, ref.fqn)
             if self.device.type != "meta":
                 full = p.detach().contiguous()
                 self.dbuf.shard_view(ref.fqn).copy_(ref.placement.local_view(full, self.rank))
             self._make_sharded(ref)
             ref.register(ref.sharded)
         self.state = ShardedState.SHARDED
-        self._gather_work: dist.Work | None = None
-        self._gather_version = 0
-        self._post_forward_shard: torch.Tensor | None = None  # reshard_after_forward=int
-        self._post_forward_group = None
-        self._post_forward_rank = 0
+        self._gather: PendingGather | None = None
+        self._post_forward_piece: torch.Tensor | None = None  # 1D, m*S/k (SHARDED_POST_FORWARD)
+        self.post_forward_group: PostForwardGroup | None = None  # reshard_after_forward=int
         self.needs_post_backward = False
-        self._grads_unsynced = False  # unsharded grads kept across no-sync microbatches
-        self._reduce: tuple | None = None  # (work, target, accumulate) until finalized
+        self._reduce: PendingReduce | None = None
         self.requires_gradient_sync = True
         self.gradient_divide_factor: float | None = None
+
+    def _expect(self, action: str, *states: ShardedState) -> None:
+        if self.state not in states:
+            raise AssertionError(
+                f"fully_shard group {self.name}: {action} expects the group "
+                f"{' or '.join(s.value for s in states)}, but it is {self.state.value}"
+            )
 
     # ---- construction ---------------------------------------------------------------------
     def _make_sharded(self, ref: ParamRef) -> None:
@@ -135,12 +197,14 @@ class ParamGroup:
         ``_apply`` gives each parameter new local data; copy it into fresh shard
         storage on its device and make the parameters views again.
         """
+        self._expect("Module._apply (to, to_empty)", ShardedState.SHARDED)
         current = {ref.fqn: ref.uses[0][0]._parameters[ref.uses[0][1]] for ref in self.refs}
         first = next(iter(current.values()))
         local0 = first._local_tensor if isinstance(first, DTensor) else first
         if (local0.device, local0.dtype) == (self.dbuf.shard.device, self.dtype):
             return
         self.device, self.dtype = local0.device, local0.dtype
+        self.streams = streams_for(self.device)
         self.compute_dtype = self.mp_policy.param_dtype or self.dtype
         self.reduce_dtype = self.mp_policy.reduce_dtype or self.compute_dtype
         self.dbuf = DBuffer(self.layout, self.rank, self.dtype, self.device, self.compute_dtype)
@@ -158,7 +222,7 @@ class ParamGroup:
     # ---- unshard / reshard ----------------------------------------------------------------
     def unshard(self, async_op: bool = False) -> None:
         """Start (or do) the all-gather of the global storage; ``wait_for_unshard`` ends it."""
-        if self.state is ShardedState.UNSHARDED or self._gather_work is not None:
+        if self.state is ShardedState.UNSHARDED or self._gather is not None:
             return
         if self.device.type == "meta":
             raise RuntimeError(
@@ -169,28 +233,29 @@ class ParamGroup:
         # refilling their storage for backward is the point, so the all-gather must not
         # bump their version counter. gloo writes the output on its own thread (the bump
         # can land any time before wait()), so the version is restored after the wait.
-        self._gather_version = self.dbuf.global_params.tensor._version
-        if self._post_forward_shard is not None:  # reshard_after_forward=int: a smaller gather
-            out = self.dbuf.global_params.alloc()
-            work = dist.all_gather_single(
-                out, self._post_forward_shard, group=self._post_forward_group, async_op=True
-            )
-        else:
-            work = self.dbuf.all_gather(self.process_group, async_op=True)
-        self._gather_work = work
+        version = self.dbuf.global_params.tensor._version
+        with self.streams.gathering():  # see [Note: streams]
+            if self.state is ShardedState.SHARDED_POST_FORWARD:  # a smaller gather
+                out, inp = self.dbuf.global_params.alloc(), self._post_forward_piece
+                pg = self.post_forward_group.process_group
+                work = dist.all_gather_single(out, inp, group=pg, async_op=True)
+            else:
+                work, inp = self.dbuf.all_gather(self.process_group, async_op=True)
+        self._gather = PendingGather(work, version, inp)
         if not async_op:
             self.wait_for_unshard()
 
     def wait_for_unshard(self) -> None:
-        if self._gather_work is None:
-            assert self.state is ShardedState.UNSHARDED, "wait_for_unshard before unshard"
+        """Finish the all-gather; the modules hold the unsharded parameters."""
+        if self._gather is None:
+            self._expect("wait_for_unshard (no all-gather in flight)", ShardedState.UNSHARDED)
             return
-        self._gather_work.wait()
-        self._gather_work = None
+        gather, self._gather = self._gather, None
+        gather.work.wait()
         torch._C._autograd._unsafe_set_version_counter(
-            (self.dbuf.global_params.tensor,), (self._gather_version,)
+            (self.dbuf.global_params.tensor,), (gather.version,)
         )  # see [Note: version counter]
-        self._post_forward_shard = None
+        self._post_forward_piece = None
         for ref in self.refs:
             if ref.unsharded is None:
                 ref.unsharded = nn.Parameter(
@@ -203,28 +268,30 @@ class ParamGroup:
             ref.register(ref.unsharded)
         self.state = ShardedState.UNSHARDED
 
-    def reshard(self, keep_group=None) -> None:
+    def reshard(self, post_forward: bool = False) -> None:
         """Free the global storage; the modules hold the sharded parameters again.
 
         Args:
-            keep_group: ``(process group, position, ranks)`` of a smaller group to keep
-                the parameters sharded over (``reshard_after_forward=int``); None frees all.
+            post_forward: keep this rank's piece of the parameters for the smaller
+                group ``post_forward_group`` (``reshard_after_forward=int``), so that
+                backward gathers over it only. Ignored without that group.
         """
-        if self._gather_work is not None:
+        if self._gather is not None:
             self.wait_for_unshard()
-        if self.state is ShardedState.SHARDED:
+        if self.state is not ShardedState.UNSHARDED:
+            self._post_forward_piece = None  # a piece kept after forward is not needed now
+            self.state = ShardedState.SHARDED
             return
-        if keep_group is not None:
-            group, position, size = keep_group
-            piece = self.dbuf.global_params.tensor.numel() // size
-            self._post_forward_shard = self.dbuf.global_params.tensor[
-                position * piece : (position + 1) * piece
-            ].clone()
-            self._post_forward_group = group
+        keep = self.post_forward_group if post_forward else None
+        if keep is not None:
+            full = self.dbuf.global_params.tensor  # 1D, m*S
+            piece = full.numel() // keep.size
+            self._post_forward_piece = full[keep.position * piece :][:piece].clone()
         self.dbuf.global_params.free()
+        self.streams.resharded()
         for ref in self.refs:
             ref.register(ref.sharded)
-        self.state = ShardedState.SHARDED
+        self.state = ShardedState.SHARDED if keep is None else ShardedState.SHARDED_POST_FORWARD
 
     # ---- gradients ------------------------------------------------------------------------
     def release_dropped_grads(self) -> None:
@@ -234,7 +301,12 @@ class ParamGroup:
 
     def prepare_grads(self) -> None:
         """Point every unsharded ``.grad`` at the flat global gradient storage (pre-backward)."""
+        self._expect("prepare_grads (pre-backward)", ShardedState.UNSHARDED)
         self.needs_post_backward = True
+        # A module called twice in forward whose first call's inputs need no gradient
+        # reduces after its last call's backward, and may then run backward again:
+        # finish that reduce and gather the rest in fresh gradient storage.
+        self.wait_reduce()
         grads = self.dbuf.global_grads
         if not grads.allocated:
             grads.alloc().zero_()
@@ -244,30 +316,40 @@ class ParamGroup:
 
     def post_backward(self, reshard: bool) -> None:
         """The group's gradients are complete: start the reduce-scatter (or keep them)."""
+        if not self.needs_post_backward:
+            raise AssertionError(
+                f"fully_shard group {self.name}: post_backward without a pre-backward "
+                f"(state {self.state.value})"
+            )
         self.needs_post_backward = False
         if reshard:
             self.reshard()
-        if not self.requires_gradient_sync:
-            self._grads_unsynced = True
-            return
-        self._grads_unsynced = False
-        if not self.dbuf.global_grads.allocated:
-            return
-        accumulate = any(ref.sharded.grad is not None for ref in self.refs)
+        if not self.requires_gradient_sync or not self.dbuf.global_grads.allocated:
+            return  # no sync: the unsharded gradients accumulate across microbatches
+        earlier = self._reduce  # waited by prepare_grads: its sum is added at finalize
+        if earlier is not None and earlier.work is not None:
+            raise AssertionError(
+                f"fully_shard group {self.name}: a reduce-scatter was started while an earlier "
+                "one was still in flight"
+            )
+        accumulate = earlier is not None or any(ref.sharded.grad is not None for ref in self.refs)
         direct = not accumulate and self.reduce_dtype == self.dtype
         # The reduce-scatter writes every element (padding too) on the direct path;
         # otherwise only parameters' parts are written: start from zeros.
         self.dbuf.shard_grads.alloc(zero=not direct)
-        target = (
-            self.dbuf.shard_grad
-            if direct
-            else self.dbuf.shard_grad.new_empty(self.layout.shard_size, dtype=self.reduce_dtype)
-        )
         op = dist.ReduceOp.AVG if self.gradient_divide_factor is None else dist.ReduceOp.SUM
-        work = self.dbuf.reduce_scatter_grads(
-            target, self.process_group, op, self.reduce_dtype, async_op=True
+        with self.streams.reducing():  # see [Note: streams]
+            output = (
+                self.dbuf.shard_grad
+                if direct
+                else self.dbuf.shard_grad.new_empty(self.layout.shard_size, dtype=self.reduce_dtype)
+            )
+            work, inp = self.dbuf.reduce_scatter_grads(
+                output, self.process_group, op, self.reduce_dtype, async_op=True
+            )
+        self._reduce = PendingReduce(
+            work, output, direct, inp, earlier.output if earlier is not None else None
         )
-        self._reduce = (work, target, direct)
 
     @property
     def reduce_pending(self) -> bool:
@@ -275,11 +357,10 @@ class ParamGroup:
 
     def wait_reduce(self) -> None:
         """Wait for the reduce-scatter and free the unsharded gradients (the whole buffer)."""
-        if self._reduce is None or self._reduce[0] is None:
+        if self._reduce is None or self._reduce.work is None:
             return
-        work, target, direct = self._reduce
-        work.wait()
-        self._reduce = (None, target, direct)
+        self._reduce.work.wait()
+        self._reduce = self._reduce._replace(work=None, input=None)
         for ref in self.refs:
             if ref.unsharded is not None:
                 ref.unsharded.grad = None
@@ -291,13 +372,15 @@ class ParamGroup:
     def finalize_grads(self, got_grad: list[bool]) -> None:
         """Wait for the reduce-scatter and set the sharded ``.grad``s (views of shard grads)."""
         self.wait_reduce()
-        _, target, direct = self._reduce
+        output, direct, earlier = self._reduce.output, self._reduce.direct, self._reduce.earlier
         self._reduce = None
+        if earlier is not None:
+            output.add_(earlier)
         if self.gradient_divide_factor is not None:
-            target.div_(self.gradient_divide_factor)
+            output.div_(self.gradient_divide_factor)
         if not direct and all(ref.sharded.grad is None for ref in self.refs):
             # only a dtype differs (reduce_dtype != param dtype): one cast of the buffer
-            self.dbuf.shard_grad.copy_(target)
+            self.dbuf.shard_grad.copy_(output)
             direct = True
         for ref, any_rank_got_grad in zip(self.refs, got_grad):
             ref.got_grad = False
@@ -317,7 +400,7 @@ class ParamGroup:
             existing = ref.sharded.grad
             if not direct:
                 start, stop = self.layout.shard_range(ref.fqn, self.rank)
-                part = target[start:stop].view(ref.sharded_grad._local_tensor.shape)
+                part = output[start:stop].view(ref.sharded_grad._local_tensor.shape)
                 if existing is None:
                     ref.sharded_grad._local_tensor.copy_(part)
                 else:

@@ -17,7 +17,8 @@ that tells every rank which parameters received a gradient on any rank.
 from __future__ import annotations
 
 import enum
-from typing import TYPE_CHECKING
+import warnings
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -30,7 +31,13 @@ from raggedfsdp.fsdp._policy import MixedPrecisionPolicy
 if TYPE_CHECKING:
     from raggedfsdp.fsdp._param_group import ParamGroup
 
-__all__ = ["FSDPState", "TrainingState", "state_of"]
+__all__ = [
+    "FSDPState",
+    "PostForwardGroup",
+    "TrainingState",
+    "resolve_reshard_after_forward",
+    "state_of",
+]
 
 _STATE_ATTR = "_raggedfsdp_state"
 
@@ -38,6 +45,14 @@ _STATE_ATTR = "_raggedfsdp_state"
 def state_of(module: nn.Module) -> FSDPState | None:
     """The ``FSDPState`` of a module passed to ``fully_shard``, else None."""
     return module.__dict__.get(_STATE_ATTR)
+
+
+class PostForwardGroup(NamedTuple):
+    """The smaller group a ``reshard_after_forward=int`` group stays sharded over."""
+
+    process_group: dist.ProcessGroup
+    position: int  # this rank's index in it
+    size: int
 
 
 class TrainingState(enum.Enum):
@@ -60,13 +75,8 @@ class FSDPState:
         self.group = group
         self.mesh = mesh
         self.mp_policy = mp_policy
-        # None: True, except for the root (decided when the root is known), as in FSDP2
-        self._root_keeps_params = reshard_after_forward is None
-        if reshard_after_forward is None:
-            reshard_after_forward = True
-        self.reshard_after_forward = reshard_after_forward
         self.reshard_after_backward = True
-        self._keep_group = _post_forward_group(mesh, reshard_after_forward)
+        self.set_reshard_after_forward(reshard_after_forward)
         self.training_state = TrainingState.IDLE
         self.is_root: bool | None = None
         self.root: FSDPState | None = None
@@ -81,6 +91,44 @@ class FSDPState:
         module.__dict__[_STATE_ATTR] = self
         module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
         module.register_forward_hook(self._post_forward, with_kwargs=True)
+
+    # ---- settings (FSDPModule's set_* methods call these) ---------------------------------
+    def set_reshard_after_forward(self, value: bool | int | None) -> None:
+        """What the forward post-hook does with the unsharded parameters (as FSDP2).
+
+        ``None``: True, except for the root, whose parameters backward needs first.
+        ``True`` / ``False``: free them / keep them until backward. An int ``k`` that
+        divides the mesh size: keep them sharded over groups of ``k`` consecutive
+        ranks; ``k == 1`` means False (with FSDP2's warning: 1 is not True) and
+        ``k ==`` the mesh size means True.
+
+        Raises:
+            ValueError: not a bool, an int or None; an int that is not a factor.
+        """
+        self._auto_reshard = value is None
+        value, size = resolve_reshard_after_forward(value, self.mesh.size(0), warn=True)
+        post_forward = _post_forward_group(self.mesh, size) if size is not None else None
+        self.reshard_after_forward: bool = value
+        if self.group is not None:
+            self.group.post_forward_group = post_forward
+
+    def set_reshard_after_backward(self, value: bool) -> None:
+        self.reshard_after_backward = value
+
+    def set_requires_gradient_sync(self, value: bool) -> None:
+        if self.group is not None:
+            self.group.requires_gradient_sync = value
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        if self.group is not None:
+            self.group.gradient_divide_factor = float(factor)
+
+    def set_prefetch(self, *, forward: list[FSDPState] | None = None, backward=None) -> None:
+        """Groups to all-gather at the start of this module's forward / backward."""
+        if forward is not None:
+            self.forward_prefetch = forward
+        if backward is not None:
+            self.backward_prefetch = backward
 
     # ---- root -----------------------------------------------------------------------------
     def _lazy_init(self) -> None:
@@ -130,10 +178,8 @@ class FSDPState:
         if self.group is not None:
             if not torch.is_grad_enabled():  # no backward will need them (eval, validation)
                 self.group.reshard()
-            elif self.reshard_after_forward is not False and not (
-                self.is_root and self._root_keeps_params
-            ):
-                self.group.reshard(keep_group=self._keep_group)
+            elif self.reshard_after_forward and not (self.is_root and self._auto_reshard):
+                self.group.reshard(post_forward=True)
         if torch.is_grad_enabled():
             output = self._register_pre_backward(output)
         if self.mp_policy.output_dtype is not None:
@@ -215,7 +261,9 @@ class FSDPState:
         pending = [s.group for s in self._states if s.group is not None and s.group.reduce_pending]
         if pending:
             flags = torch.tensor(
-                [f for g in pending for f in g.local_grad_flags()], dtype=torch.uint8
+                [f for g in pending for f in g.local_grad_flags()],
+                dtype=torch.uint8,
+                device=pending[0].device,
             )
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=pending[0].process_group)
             flags = flags.bool().tolist()
@@ -249,26 +297,45 @@ def _cast_floats(tree, dtype: torch.dtype):
     return tree_map(cast, tree)
 
 
-def _post_forward_group(mesh, reshard_after_forward):
-    """``(process group, position, size)`` for ``reshard_after_forward=int``, else None."""
-    if isinstance(reshard_after_forward, bool):
-        return None
-    m = mesh.size(0)
-    k = reshard_after_forward
-    if not isinstance(k, int) or k < 1 or k > m or m % k:
+def resolve_reshard_after_forward(
+    value: bool | int | None, mesh_size: int, *, warn: bool = False
+) -> tuple[bool, int | None]:
+    """``(reshard after forward, size of the post-forward group or None)``, as FSDP2.
+
+    Raises:
+        ValueError: not a bool, an int or None; an int that is not a factor of the
+            mesh size.
+    """
+    if value is None or isinstance(value, bool):
+        return value is not False, None
+    m = mesh_size
+    if not isinstance(value, int) or value < 1 or value > m or m % value:
         raise ValueError(
-            f"fully_shard: reshard_after_forward={k!r}: an int must be a factor of the mesh "
-            f"size {m} (the group size to keep parameters sharded over after forward); "
-            "pass True, False or a factor"
+            f"fully_shard: reshard_after_forward={value!r}: an int must be a factor of the "
+            f"mesh size {m} (the group size to keep parameters sharded over after forward); "
+            "pass True, False, None or a factor"
         )
-    if k in (1, m):
-        return None  # 1 behaves as False and m as True (as in FSDP2); see fully_shard
-    # Groups of k consecutive ranks; rank r keeps the global slice of position r % k.
+    if value == 1:
+        if warn:
+            warnings.warn(
+                "fully_shard: reshard_after_forward=1 (int) means resharding parameters to "
+                "world size 1, i.e. keeping them unsharded until backward (as FSDP2); pass "
+                "True to free them after forward",
+                stacklevel=4,
+            )
+        return False, None
+    if value == m:
+        return True, None
+    return True, value
+
+
+def _post_forward_group(mesh, size: int) -> PostForwardGroup:
+    """This rank's group of ``size`` consecutive ranks of ``mesh`` (``reshard_after_forward``)."""
     ranks = mesh.mesh.flatten().tolist()
     mine = None
-    for start in range(0, m, k):
-        members = ranks[start : start + k]
-        pg = dist.new_group(members)
+    for start in range(0, len(ranks), size):
+        members = ranks[start : start + size]
+        pg = dist.new_group(members)  # every rank creates every group, in the same order
         if dist.get_rank() in members:
-            mine = (pg, members.index(dist.get_rank()), k)
+            mine = PostForwardGroup(pg, members.index(dist.get_rank()), size)
     return mine

@@ -11,7 +11,6 @@ import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any
 
 
 def _fail(msg: str) -> AssertionError:
@@ -270,6 +269,8 @@ class BufferLayout:
     def ragged_shard_args(self, name: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """``(dims, local_units)`` for ``RaggedShard(dims, local_units)`` of ``name``.
 
+        ``raggedfsdp.placement.RaggedShard.from_layout`` builds the placement from them.
+
         ``dims`` is every dim but the last (``(0,)`` for a 1-D tensor, whose one
         block is the whole tensor); their product, the row count, is cut into
         ``sum(local_units)`` units of ``unit_rows`` rows.
@@ -284,13 +285,6 @@ class BufferLayout:
             )
         dims = (0,) if len(t.shape) == 1 else tuple(range(len(t.shape) - 1))
         return dims, self.local_units(name)
-
-    def ragged_shard(self, name: str) -> Any:
-        """The ``raggedfsdp.placement.RaggedShard`` placement of ``name``."""
-        from raggedfsdp.placement import RaggedShard  # lazy: keeps the planner torch-free
-
-        dims, units = self.ragged_shard_args(name)
-        return RaggedShard(dims=dims, local_units=units)
 
     def unsharded_view_args(self, name: str) -> tuple[tuple[int, ...], tuple[int, ...], int]:
         """``(size, stride, storage_offset)`` of ``name`` as a view of the global buffer.
