@@ -1,0 +1,76 @@
+"""Every tensor the library creates names its device: whole training steps (forward,
+backward, reduce-scatter, clip, each optimizer, a checkpoint save and load) on 2 gloo
+ranks, for both small models, under ``DeviceAudit`` (``tests/device_audit.py``)."""
+
+from __future__ import annotations
+
+import tempfile
+from functools import partial
+from pathlib import Path
+
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+
+from raggedfsdp import checkpoint, clip_grad_norm_, fully_shard
+from raggedfsdp.models import get_config
+from raggedfsdp.models.transformer import Transformer, lm_loss
+from raggedfsdp.optim import (
+    AdamW,
+    AdamW8bit,
+    Muon,
+    adamw8bit_block_policy,
+    muon_block_policy,
+    muon_param_groups,
+)
+from tests.device_audit import DeviceAudit
+from tests.harness import run_cases, spawn
+
+SEQ = 16
+OPTIMIZERS = {
+    "sgd": (lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9), None),
+    "torch-adamw": (lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3), None),
+    "adamw": (lambda m: AdamW(m.parameters(), lr=1e-3), None),
+    "adamw8bit": (
+        lambda m: AdamW8bit(m.parameters(), lr=1e-3, min_8bit_size=256),
+        lambda model, world: adamw8bit_block_policy(min_8bit_size=256),
+    ),
+    "muon": (lambda m: Muon(muon_param_groups(m), lr=1e-3), muon_block_policy),  # (model, m)
+}
+
+
+def _check(model_name, opt_name, root):
+    make_opt, policy = OPTIMIZERS[opt_name]
+    world = torch.distributed.get_world_size()
+    mesh = init_device_mesh("cpu", (world,))
+    model = Transformer(get_config(model_name), max_seq_len=SEQ, seed=0)
+    kw = {} if policy is None else {"block_policy": policy(model, world)}
+    for block in model.transformer_blocks():
+        fully_shard(block, mesh=mesh, **kw)
+    fully_shard(model, mesh=mesh, **kw)
+    opt = make_opt(model)
+    gen = torch.Generator().manual_seed(torch.distributed.get_rank())
+    with DeviceAudit() as audit:
+        for step in (1, 2):  # the second step finds the optimizer's state
+            x = torch.randint(0, model.config.vocab_size, (2, SEQ + 1), generator=gen)
+            lm_loss(model(x[:, :-1]), x[:, 1:]).backward()
+            clip_grad_norm_(model, 1.0)
+            opt.step()
+            opt.zero_grad()
+            checkpoint.save(root / f"{model_name}-{opt_name}", model, opt, step=step)
+        checkpoint.load(root / f"{model_name}-{opt_name}", model, opt)
+    assert audit.violations == [], "\n".join(sorted(set(audit.violations)))
+
+
+def _grid(rank, world, root):
+    run_cases(
+        {
+            f"{m} {o}": partial(_check, m, o, Path(root))
+            for m in ("llama-tiny", "moe-tiny")
+            for o in OPTIMIZERS
+        }
+    )
+
+
+def test_a_training_step_creates_every_tensor_on_a_named_device():
+    with tempfile.TemporaryDirectory() as root:
+        spawn(2, _grid, root)
