@@ -1,0 +1,185 @@
+"""GPU check: raggedfsdp on one accelerator against FSDP2, in under 5 minutes, one table.
+
+Prepared for a machine with one GPU (this project's machines have none):
+
+    python benchmarks/gpu_check.py                 # NCCL, the accelerator torch finds
+    python benchmarks/gpu_check.py --device cpu    # the same checks on gloo: a dry run
+
+1. **World 1 over NCCL.** A single-process reference, raggedfsdp and FSDP2 train the
+   same model from the same init with the same batches (torch AdamW); the table gives
+   each system's largest loss difference from the reference, its median step time
+   (device synchronized) and its peak reserved memory.
+2. **A fake process group at world 8, on real device tensors.** One whole step
+   (forward, backward, reduce-scatter, clip, optimizer) of each system over torch's
+   fake backend: the code path a rank of an 8-GPU job runs, with the collectives
+   faked, so the streams, events and allocations are the device's own. The table
+   gives the peak allocated memory per rank and whether the step ran.
+
+Each system runs in its own child process, so peak-memory figures never mix.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+MODEL = dict(dim=1024, n_layers=8, n_heads=16, n_kv_heads=4, ffn_dim=2816, vocab_size=32000)
+SYSTEMS = ("reference", "raggedfsdp", "fsdp2")
+
+
+def _config():
+    from raggedfsdp.models import get_config
+
+    return dataclasses.replace(get_config("llama-small"), name="gpu-check", **MODEL)
+
+
+def _batches(n: int, batch: int, seq: int, vocab: int, device):
+    import torch
+
+    gen = torch.Generator(device="cpu").manual_seed(1)
+    return [torch.randint(0, vocab, (batch, seq + 1), generator=gen).to(device) for _ in range(n)]
+
+
+def _shard(model, system: str, mesh) -> None:
+    if system == "reference":
+        return
+    if system == "raggedfsdp":
+        from raggedfsdp import fully_shard
+    else:
+        from torch.distributed.fsdp import fully_shard
+    for block in model.transformer_blocks():
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+
+def _peak(kind: str) -> int | None:
+    import torch
+
+    if not torch.accelerator.is_available():
+        return None
+    stat = torch.accelerator.max_memory_reserved if kind == "reserved" else None
+    return (stat or torch.accelerator.max_memory_allocated)()
+
+
+def _child(system: str, part: str, device_type: str, steps: int, seq: int, batch: int) -> dict:
+    """One system, one part, in this (child) process; returns its figures."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from raggedfsdp.models.transformer import Transformer, lm_loss
+
+    device = torch.device(device_type, 0) if device_type != "cpu" else torch.device("cpu")
+    if device.type != "cpu":
+        torch.accelerator.set_device_index(0)
+    world = 1 if part == "nccl" else 8
+    if part == "nccl":
+        backend = "gloo" if device.type == "cpu" else "nccl"
+        store = dist.FileStore(tempfile.mktemp(), 1)
+        dist.init_process_group(backend, store=store, rank=0, world_size=1)
+    else:
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    mesh = init_device_mesh(device.type, (world,))
+    cfg = _config()
+    with torch.device(device):
+        model = Transformer(cfg, max_seq_len=seq, seed=0)
+    _shard(model, system, mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
+    if system == "raggedfsdp":
+        from raggedfsdp import clip_grad_norm_
+    else:
+        clip_grad_norm_ = torch.nn.utils.clip_grad_norm_
+    data = _batches(steps if part == "nccl" else 1, batch, seq, cfg.vocab_size, device)
+    if device.type != "cpu":
+        torch.accelerator.synchronize()
+        torch.accelerator.reset_peak_memory_stats()
+    losses, times = [], []
+    for x in data:
+        t0 = time.perf_counter()
+        loss = lm_loss(model(x[:, :-1]), x[:, 1:])
+        loss.backward()
+        clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach().float().cpu().item())
+        if device.type != "cpu":
+            torch.accelerator.synchronize()
+        times.append(time.perf_counter() - t0)
+    out = {
+        "losses": losses,
+        "step_s": statistics.median(times[1:] or times),  # the first step warms up
+        "peak_reserved": _peak("reserved"),
+        "peak_allocated": _peak("allocated"),
+    }
+    dist.destroy_process_group()
+    return out
+
+
+def _run(system: str, part: str, args) -> dict:
+    cmd = [sys.executable, __file__, "--child", system, part, "--device", args.device]
+    cmd += ["--steps", str(args.steps), "--seq", str(args.seq), "--batch", str(args.batch)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+    if done.returncode != 0:
+        return {"error": (done.stderr.strip().splitlines() or ["exit " + str(done.returncode)])[-1]}
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _mib(n) -> str:
+    return "n/a" if n is None else f"{n / 2**20:,.0f}"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default=None, help="device type; default: the accelerator")
+    p.add_argument("--steps", type=int, default=12, help="training steps of part 1")
+    p.add_argument("--seq", type=int, default=512)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--timeout", type=int, default=120, help="seconds per child process")
+    p.add_argument("--child", nargs=2, metavar=("SYSTEM", "PART"), help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.device is None:
+        import torch
+
+        acc = torch.accelerator.current_accelerator()
+        args.device = acc.type if acc is not None else "cpu"
+    if args.child:
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        print(json.dumps(_child(*args.child, args.device, args.steps, args.seq, args.batch)))
+        return
+    nccl = {s: _run(s, "nccl", args) for s in SYSTEMS}
+    fake = {s: _run(s, "fake8", args) for s in SYSTEMS if s != "reference"}
+    ref = nccl["reference"].get("losses")
+    print(f"# gpu_check: {args.device}, model {MODEL}, seq {args.seq}, batch {args.batch}\n")
+    print("| system | part | max loss diff vs reference | step (ms) | vs FSDP2 | peak reserved"
+          " (MiB) | peak allocated (MiB) | status |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|")
+    for part, rows in (("world 1 (NCCL)", nccl), ("fake PG, world 8", fake)):
+        base = rows.get("fsdp2", {}).get("step_s")
+        for system, r in rows.items():
+            if "error" in r:
+                print(f"| {system} | {part} | | | | | | {r['error'][:80]} |")
+                continue
+            diff = (
+                max(abs(a - b) for a, b in zip(r["losses"], ref))
+                if ref and part.startswith("world")
+                else None
+            )
+            ratio = f"{r['step_s'] / base:.2f}x" if base else ""
+            print(
+                f"| {system} | {part} | {'' if diff is None else f'{diff:.2e}'} | "
+                f"{1e3 * r['step_s']:.1f} | {ratio} | {_mib(r['peak_reserved'])} | "
+                f"{_mib(r['peak_allocated'])} | ok |"
+            )
+
+
+if __name__ == "__main__":
+    main()
