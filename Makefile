@@ -1,4 +1,7 @@
-# Every target builds the environment first; it is a no-op when .venv is up to date.
+# Every target builds the environment first; it is a no-op when .venv is up to date (the
+# stamp is newer than pyproject.toml). The library needs torch, numpy and safetensors; the
+# `train` extra adds what the application, the tests and the benchmarks use (SciPy,
+# matplotlib, tqdm).
 PY := .venv/bin/python
 VENV_STAMP := .venv/.installed
 
@@ -8,7 +11,7 @@ $(VENV_STAMP): pyproject.toml
 	python3 -m venv .venv
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "torch==2.13.0"
-	$(PY) -m pip install --quiet -e ".[dev]"
+	$(PY) -m pip install --quiet -e ".[train,dev]"
 	touch $(VENV_STAMP)
 
 venv: $(VENV_STAMP)
@@ -39,7 +42,7 @@ $(PEERS_STAMP): pyproject.toml
 	echo "torch==2.13.0" > .venv-peers/constraints.txt
 	$(PEERS_PIP) install --quiet --upgrade pip
 	$(PEERS_PIP) install --quiet "torch==2.13.0"
-	$(PEERS_PIP) install --quiet -e .
+	$(PEERS_PIP) install --quiet -e ".[train]"
 	$(PEERS_PIP) install "deepspeed==0.19.*" > .venv-peers/install-deepspeed.log 2>&1 \
 		|| echo "deepspeed not installed: see .venv-peers/install-deepspeed.log"
 	$(PEERS_PIP) install "megatron-fsdp==0.6.*" > .venv-peers/install-megatron-fsdp.log 2>&1 \

@@ -3,7 +3,7 @@ the 8-bit peers that run here, and a convergence check; a section of ``optim.py`
 
     .venv/bin/python benchmarks/_adamw8bit_bench.py            # prints the markdown section
     .venv/bin/python benchmarks/_adamw8bit_bench.py --quick    # smoke run (not the figures)
-    .venv/bin/python benchmarks/_adamw8bit_bench.py --out benchmarks/results/adamw8bit.md
+    .venv/bin/python benchmarks/_adamw8bit_bench.py --out out/adamw8bit.md
 
 ``run(args)`` returns the section; ``benchmarks/optim.py`` imports it and may pass its
 own ``argparse.Namespace``: the attributes read are those ``add_arguments`` defines
@@ -31,19 +31,27 @@ One spawn of ``world`` gloo ranks (1 thread each) measures, on the same model an
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import statistics
 import sys
-import tempfile
 import time
 import traceback
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from _common import (  # beside this script, so on sys.path
+    ANALYSIS,
+    header,
+    max_over_ranks,
+    ragged_padding,
+    run_ranks,
+    shard,
+    state_tensors,
+    train_and_validate,
+    versions,
+    write_results,
+)
 
 _DEFAULTS = {
     "adamw8bit_world": 2,
@@ -79,44 +87,25 @@ def _config(args) -> dict:
     return cfg
 
 
-# ---- what a state costs ------------------------------------------------------------------
-def _inner(t: torch.Tensor) -> list[torch.Tensor]:
-    """The plain tensors holding ``t``'s data (DTensor and tensor subclasses opened)."""
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(t, DTensor):
-        return _inner(t._local_tensor)
-    if type(t) is not torch.Tensor and hasattr(t, "__tensor_flatten__"):
-        names, _ = t.__tensor_flatten__()
-        return [x for n in names for x in _inner(getattr(t, n))]
-    return [t]
-
-
+# ---- one system ----------------------------------------------------------------------------
 def _state_bytes(state: dict) -> tuple[int, bool]:
     """(bytes of every state tensor but ``step``, whether any is 8-bit)."""
-    tensors = [x for k, v in state.items() if k != "step" and torch.is_tensor(v) for x in _inner(v)]
+    tensors = state_tensors(state)
     nbytes = sum(x.numel() * x.element_size() for x in tensors)
     return nbytes, any(x.element_size() == 1 for x in tensors)
 
 
-# ---- one system ----------------------------------------------------------------------------
 def _build(system: str, model_name: str, mesh):
-    from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
-
     import raggedfsdp
-    from raggedfsdp.models import get_config
-    from raggedfsdp.models.transformer import Transformer
+    from raggedfsdp.models import Transformer, get_config
     from raggedfsdp.optim import AdamW8bit, adamw8bit_block_policy
 
     model = Transformer(get_config(model_name), max_seq_len=SEQ, seed=0)
     if system.startswith("raggedfsdp"):
         policy = adamw8bit_block_policy() if "8bit" in system else None
-        shard = lambda m: raggedfsdp.fully_shard(m, mesh=mesh, block_policy=policy)
+        shard(model, mesh, "raggedfsdp", block_policy=policy)
     else:
-        shard = lambda m: fsdp2_fully_shard(m, mesh=mesh)
-    for block in model.transformer_blocks():
-        shard(block)
-    shard(model)
+        shard(model, mesh, "fsdp2")
     params = model.parameters()
     if system == "raggedfsdp + AdamW8bit":
         opt = AdamW8bit(params, lr=LR, betas=BETAS, weight_decay=WD)
@@ -137,34 +126,21 @@ def _build(system: str, model_name: str, mesh):
     return model, opt
 
 
-def _batch(data, step, rank, world):
-    from raggedfsdp.train.data import get_batch
-
-    return get_batch(
-        data, seed=0, step=step, batch_size=BATCH, seq_len=SEQ, rank=rank, world_size=world
-    )
-
-
-def _max_over_ranks(x: float) -> float:
-    t = torch.tensor([x], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
-
-
 def _measure(system, cfg, mesh, rank, world, data) -> dict:
-    from raggedfsdp.fsdp._param_group import owner_of
-    from raggedfsdp.models.transformer import lm_loss
+    from raggedfsdp.models import lm_loss
+    from raggedfsdp.train import get_batch
 
     model, opt = _build(system, cfg["adamw8bit_model"], mesh)
+    rows = dict(batch_size=BATCH, seq_len=SEQ, rank=rank, world_size=world)
     times = []
     for step in range(cfg["adamw8bit_steps"] + 1):
-        x, y = _batch(data, step, rank, world)
+        x, y = get_batch(data, seed=0, step=step, **rows)
         lm_loss(model(x), y).backward()
         dist.barrier()
         t0 = time.perf_counter()
         opt.step()
         elapsed = time.perf_counter() - t0
-        times.append(_max_over_ranks(elapsed))
+        times.append(max_over_ranks(elapsed))
         opt.zero_grad()
     totals = torch.zeros(2, dtype=torch.float64)  # state bytes: all, tensors >= 4096
     fp32_big = []  # tensors >= 4096 elements whose states on this rank are not 8-bit
@@ -179,10 +155,7 @@ def _measure(system, cfg, mesh, rank, world, data) -> dict:
     dist.all_gather_object(gathered, fp32_big)
     numel = sum(p.numel() for p in model.parameters())
     big_numel = sum(p.numel() for p in model.parameters() if p.numel() >= 4096)
-    padding = None
-    if system.startswith("raggedfsdp"):
-        groups = {id(owner_of(p)[0]): owner_of(p)[0] for p in model.parameters()}
-        padding = sum(g.layout.padding for g in groups.values())
+    padding = sum(ragged_padding(model).values()) if system.startswith("raggedfsdp") else None
     return {
         "first_step_s": times[0],
         "step_ms": 1e3 * statistics.median(times[1:]),
@@ -194,32 +167,6 @@ def _measure(system, cfg, mesh, rank, world, data) -> dict:
     }
 
 
-def _converge(optimizer: str, cfg, mesh, rank, world, corpus) -> dict:
-    from raggedfsdp.models.transformer import lm_loss
-
-    system = f"raggedfsdp + {optimizer}"
-    model, opt = _build(system, cfg["adamw8bit_conv_model"], mesh)
-    losses = []
-    for step in range(cfg["adamw8bit_conv_steps"]):
-        x, y = _batch(corpus.train, step, rank, world)
-        loss = lm_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        total = loss.detach().clone()
-        dist.all_reduce(total)
-        losses.append(total.item() / world)
-    with torch.no_grad():
-        val = []
-        for i in range(8):
-            x, y = _batch(corpus.val, 10**6 + i, rank, world)
-            total = lm_loss(model(x), y).detach().clone()
-            dist.all_reduce(total)
-            val.append(total.item() / world)
-    tail = losses[-20:]
-    return {"losses": losses, "final": sum(tail) / len(tail), "val": sum(val) / len(val)}
-
-
 SYSTEMS = (
     "raggedfsdp + AdamW8bit",
     "raggedfsdp + AdamW (fp32, flat)",
@@ -229,10 +176,7 @@ SYSTEMS = (
 )
 
 
-def _rank_main(rank: int, world: int, cfg: dict, init_file: str, out_file: str) -> None:
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+def _rank_main(rank: int, world: int, save, cfg: dict) -> None:
     from torch.distributed.tensor import init_device_mesh
 
     from raggedfsdp.train.data import load_corpus
@@ -253,37 +197,33 @@ def _rank_main(rank: int, world: int, cfg: dict, init_file: str, out_file: str) 
                 traceback.print_exc(limit=2)
         dist.barrier()
     for optimizer in ("AdamW (fp32, flat)", "AdamW8bit"):
-        results["convergence"][optimizer] = _converge(optimizer, cfg, mesh, rank, world, corpus)
-    if rank == 0:
-        results["corpus"] = f"{corpus.source} ({corpus.train.numel():,} training bytes)"
-        Path(out_file).write_text(json.dumps(results))
+        model, opt = _build(f"raggedfsdp + {optimizer}", cfg["adamw8bit_conv_model"], mesh)
+        steps = cfg["adamw8bit_conv_steps"]
+        rows = dict(batch_size=BATCH, seq_len=SEQ)
+        results["convergence"][optimizer] = train_and_validate(
+            model, [opt], corpus, steps=steps, **rows
+        )
+    results["corpus"] = f"{corpus.source} ({corpus.train.numel():,} training bytes)"
+    save(results)
     dist.barrier()
-    dist.destroy_process_group()
 
 
 # ---- the section ---------------------------------------------------------------------------
-def _versions() -> str:
-    out = [f"torch {torch.__version__}"]
-    for name in ("torchao", "bitsandbytes"):
-        try:
-            module = __import__(name)
-            out.append(f"{name} {module.__version__}")
-        except Exception as e:  # noqa: BLE001 (record why a peer is missing)
-            out.append(f"{name} not importable ({type(e).__name__})")
-    return ", ".join(out)
+TITLE = "## 8-bit AdamW (`raggedfsdp.optim.AdamW8bit`)"
 
 
 def _format(cfg: dict, res: dict, wall_s: float, command: str) -> str:
+    """The section's tables (what they mean is written in the page's analysis)."""
     world, systems = cfg["adamw8bit_world"], res["systems"]
     base = systems.get("raggedfsdp + AdamW (fp32, flat)", {}).get("step_ms")
     lines = [
-        "## 8-bit AdamW (`raggedfsdp.optim.AdamW8bit`)",
+        TITLE,
         "",
         f"Command: `{command}`. {world} gloo ranks on CPU, 1 thread each; model "
         f"`{cfg['adamw8bit_model']}`; batch {BATCH} x {SEQ} tokens; lr {LR}, betas {BETAS}, "
         f"weight decay {WD}; {cfg['adamw8bit_steps']} timed steps after the first. "
-        f"{_versions()}; {platform.processor() or platform.machine()}, "
-        f"{os.cpu_count()} cores; {wall_s:.0f} s in all.",
+        f"{versions('torch', 'torchao', 'bitsandbytes')}; {os.cpu_count()} cores; "
+        f"{wall_s:.0f} s in all.",
         "",
         "AdamW8bit stores each moment as one uint8 code per element (dynamic-tree map, "
         "as bitsandbytes and torchao) and one fp32 scale per 256-element block counted "
@@ -292,94 +232,67 @@ def _format(cfg: dict, res: dict, wall_s: float, command: str) -> str:
         "states are bit-identical to one process (tests/dist/test_adamw8bit.py).",
         "",
         "| system | state B/param, all | state B/param, tensors >= 4096 | optimizer step "
-        "(ms, median) | vs raggedfsdp fp32 AdamW | first step (s) |",
-        "| --- | ---: | ---: | ---: | ---: | ---: |",
+        "(ms, median) | vs raggedfsdp fp32 AdamW | first step (s) | tensors >= 4096 "
+        "elements with fp32 states, per rank | padding, elements (% of params) |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | --- | ---: |",
     ]
     for name, r in systems.items():
         if "error" in r:
-            what = "skipped" if r["error"].startswith("skipped") else "fails (below)"
-            lines.append(f"| {name} | {what} | | | | |")
+            lines.append(f"| {name} | {r['error']} | | | | | | |")
             continue
         ratio = f"{r['step_ms'] / base:.2f}x" if base else "-"
+        fp32 = ", ".join(str(len(names)) for names in r["fp32_big_by_rank"])
+        pad = r["padding"]
+        pad = "-" if pad is None else f"{pad:,} ({100 * pad / r['numel']:.2f}%)"
         lines.append(
             f"| {name} | {r['bytes_per_param']:.3f} | {r['big_bytes_per_param']:.3f} | "
-            f"{r['step_ms']:.2f} | {ratio} | {r['first_step_s']:.2f} |"
+            f"{r['step_ms']:.2f} | {ratio} | {r['first_step_s']:.2f} | {fp32} | {pad} |"
         )
-    ours = systems.get("raggedfsdp + AdamW8bit", {})
-    torchao = systems.get("FSDP2 + torchao AdamW8bit", {})
-    lines.append("")
-    if "fp32_big_by_rank" in ours:
-        fp32 = sorted({n for names in ours["fp32_big_by_rank"] for n in names})
-        lines.append(
-            f"- raggedfsdp AdamW8bit: tensors of >= 4096 elements with fp32 states on some "
-            f"rank: {len(fp32)} (eligibility is decided from the global size). Padding of "
-            f"all buffers with the aligned block policy: {ours['padding']:,} elements "
-            f"({100 * ours['padding'] / ours['numel']:.2f}% of {ours['numel']:,}); with "
-            f"the default policy: "
-            f"{systems.get('raggedfsdp + AdamW (fp32, flat)', {}).get('padding', 0):,}."
-        )
-    if "fp32_big_by_rank" in torchao:
-        per_rank = torchao["fp32_big_by_rank"]
-        counts = ", ".join(f"rank {r}: {len(n)}" for r, n in enumerate(per_rank))
-        example = next((n for names in per_rank for n in names), None)
-        lines.append(
-            f"- torchao AdamW8bit on FSDP2: tensors of >= 4096 elements left with fp32 "
-            f"states ({counts}): torchao decides from the local shard (>= 4096 elements "
-            f"and a multiple of its block size), so sharding changes precision "
-            f"(pytorch/ao#4912)"
-            + (f", e.g. `{example}`." if example else ".")
-            + " Its blocks start at each rank's shard, so which elements share a scale "
-            "changes with the world size too."
-        )
-    for name, r in systems.items():
-        if "error" in r and not r["error"].startswith("skipped"):
-            lines.append(f"- {name} fails at the first step: `{r['error']}`")
     conv = res["convergence"]
-    fp32, q8 = conv["AdamW (fp32, flat)"], conv["AdamW8bit"]
-    rel = (q8["final"] - fp32["final"]) / fp32["final"]
-    rel_val = (q8["val"] - fp32["val"]) / fp32["val"]
-    verdict = "PASS" if abs(rel) <= TOL else "FAIL"
-    steps = cfg["adamw8bit_conv_steps"]
+    fp32 = conv["AdamW (fp32, flat)"]
     lines += [
         "",
-        f"Convergence: `{cfg['adamw8bit_conv_model']}`, {steps} steps on the demo corpus "
-        f"({res['corpus']}), {world} ranks, raggedfsdp `fully_shard`, same init and batches.",
+        f"Convergence: `{cfg['adamw8bit_conv_model']}`, {cfg['adamw8bit_conv_steps']} steps on "
+        f"the demo corpus ({res['corpus']}), {world} ranks, raggedfsdp `fully_shard`, same "
+        f"init and batches. Acceptance: AdamW8bit's final loss within {100 * TOL:.0f}% of "
+        "fp32 AdamW's.",
         "",
-        "| optimizer | first loss | final loss (mean of last 20) | validation loss (8 batches) |",
-        "| --- | ---: | ---: | ---: |",
-        f"| AdamW (fp32) | {fp32['losses'][0]:.4f} | {fp32['final']:.4f} | {fp32['val']:.4f} |",
-        f"| AdamW8bit | {q8['losses'][0]:.4f} | {q8['final']:.4f} | {q8['val']:.4f} |",
-        "",
-        f"AdamW8bit's final loss is {100 * rel:+.2f}% from fp32 AdamW's (validation "
-        f"{100 * rel_val:+.2f}%): {verdict} (bound: within {100 * TOL:.0f}%).",
-        "",
+        "| optimizer | first loss | final loss (mean of last 20) | vs fp32 AdamW "
+        "| validation loss (8 batches) | vs fp32 AdamW |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
     ]
-    return "\n".join(lines)
+    for name, key in (("AdamW (fp32)", "AdamW (fp32, flat)"), ("AdamW8bit", "AdamW8bit")):
+        r = conv[key]
+        rel, rel_val = (100 * (r[k] - fp32[k]) / fp32[k] for k in ("final", "val"))
+        lines.append(
+            f"| {name} | {r['losses'][0]:.4f} | {r['final']:.4f} | {rel:+.2f}% | "
+            f"{r['val']:.4f} | {rel_val:+.2f}% |"
+        )
+    return "\n".join([*lines, ""])
 
 
 def run(args) -> str:
     """Run the measurements in ``adamw8bit_world`` ranks and return the markdown section."""
     cfg = _config(args)
-    world = cfg["adamw8bit_world"]
     command = getattr(args, "command", None) or "python " + " ".join(sys.argv)
     start = time.perf_counter()
-    with tempfile.TemporaryDirectory() as tmp:
-        init_file, out_file = os.path.join(tmp, "rendezvous"), os.path.join(tmp, "out.json")
-        mp.spawn(_rank_main, args=(world, cfg, init_file, out_file), nprocs=world, join=True)
-        res = json.loads(Path(out_file).read_text())
+    res = run_ranks(_rank_main, cfg["adamw8bit_world"], cfg)
     return _format(cfg, res, time.perf_counter() - start, command)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a smoke run, not the figures")
-    parser.add_argument("--out", help="also write the section to this file")
+    parser.add_argument("--out", help="also write the section to this page (analysis kept)")
     add_arguments(parser)
     args = parser.parse_args()
+    start = time.perf_counter()
     section = run(args)
     print(section)
     if args.out:
-        Path(args.out).write_text(section)
+        command = "python " + " ".join(sys.argv)
+        page = header("8-bit AdamW", command, time.perf_counter() - start)
+        write_results(args.out, "\n".join([*page, ANALYSIS, "", section]))
 
 
 if __name__ == "__main__":

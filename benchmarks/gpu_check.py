@@ -30,6 +30,10 @@ import sys
 import tempfile
 import time
 
+from _common import shard  # beside this script, so on sys.path
+
+from raggedfsdp.train.report import mib
+
 MODEL = dict(dim=1024, n_layers=8, n_heads=16, n_kv_heads=4, ffn_dim=2816, vocab_size=32000)
 SYSTEMS = ("reference", "raggedfsdp", "fsdp2")
 
@@ -45,18 +49,6 @@ def _batches(n: int, batch: int, seq: int, vocab: int, device):
 
     gen = torch.Generator(device="cpu").manual_seed(1)
     return [torch.randint(0, vocab, (batch, seq + 1), generator=gen).to(device) for _ in range(n)]
-
-
-def _shard(model, system: str, mesh) -> None:
-    if system == "reference":
-        return
-    if system == "raggedfsdp":
-        from raggedfsdp import fully_shard
-    else:
-        from torch.distributed.fsdp import fully_shard
-    for block in model.transformer_blocks():
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
 
 
 def _peak(kind: str) -> int | None:
@@ -92,7 +84,8 @@ def _child(system: str, part: str, device_type: str, steps: int, seq: int, batch
     cfg = _config()
     with torch.device(device):
         model = Transformer(cfg, max_seq_len=seq, seed=0)
-    _shard(model, system, mesh)
+    if system != "reference":
+        shard(model, mesh, system)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
     if system == "raggedfsdp":
         from raggedfsdp import clip_grad_norm_
@@ -134,7 +127,7 @@ def _run(system: str, part: str, args) -> dict:
 
 
 def _mib(n) -> str:
-    return "n/a" if n is None else f"{n / 2**20:,.0f}"
+    return "n/a" if n is None else mib(n, 0)
 
 
 def main() -> None:

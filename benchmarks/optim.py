@@ -40,7 +40,7 @@ Writes ``benchmarks/results/optim.md`` (or ``--out``). Sections:
 4. **8-bit AdamW**: ``benchmarks/_adamw8bit_bench.py``'s section (its own peers:
    torchao's ``AdamW8bit`` and bitsandbytes' ``Adam8bit`` on FSDP2).
 
-Each measurement runs in its own process group (a subprocess running ``mp.spawn``), so
+Each measurement runs in its own process group (a subprocess spawning the ranks), so
 a peer that crashes its ranks (gloo aborts the process) is recorded, not fatal.
 """
 
@@ -48,10 +48,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib.metadata
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -59,8 +57,21 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "benchmarks" / "results"
+import _adamw8bit_bench  # beside this script, so on sys.path
+from _common import (
+    ANALYSIS,
+    RESULTS,
+    ROOT,
+    gather_objects,
+    header,
+    max_over_ranks,
+    run_ranks,
+    shard,
+    state_tensors,
+    train_and_validate,
+    write_results,
+)
+
 BATCH, SEQ = 8, 32  # Muon step cells: the optimizer is what is timed
 MUON = dict(lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True)
 ADAMW = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
@@ -74,23 +85,18 @@ CONV_BATCH, CONV_SEQ = 16, 64
 def _build(system: str, model_name: str, mesh):
     """The model sharded as ``system`` shards it, and its optimizers."""
     import torch
-    from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
 
     import raggedfsdp
-    from raggedfsdp.models import get_config
-    from raggedfsdp.models.transformer import Transformer
+    from raggedfsdp.models import Transformer, get_config
     from raggedfsdp.optim import Muon, muon_block_policy, muon_param_groups
     from raggedfsdp.optim.muon import default_use_muon
 
     model = Transformer(get_config(model_name), max_seq_len=max(SEQ, CONV_SEQ), seed=0)
     if system in OURS or system.startswith("raggedfsdp"):
         policy = muon_block_policy(model, mesh.size(0)) if "whole" in system else None
-        shard = lambda m: raggedfsdp.fully_shard(m, mesh=mesh, block_policy=policy)  # noqa: E731
+        shard(model, mesh, "raggedfsdp", block_policy=policy)
     else:
-        shard = lambda m: fsdp2_fully_shard(m, mesh=mesh)  # noqa: E731
-    for block in model.transformer_blocks():
-        shard(block)
-    shard(model)
+        shard(model, mesh, "fsdp2")
     if system == "raggedfsdp AdamW":
         return model, [raggedfsdp.optim.AdamW(model.parameters(), **ADAMW)]
     if system in OURS or system.startswith("raggedfsdp"):
@@ -107,35 +113,14 @@ def _build(system: str, model_name: str, mesh):
     return model, [muon_fsdp2.Muon([muon, adamw])]
 
 
-def _max(x: float) -> float:
-    import torch
-    import torch.distributed as dist
-
-    t = torch.tensor([x], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
-
-
-def _gathered(obj):
-    import torch.distributed as dist
-
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
-
-
 def _state_bytes(opts) -> int:
-    import torch
-    from torch.distributed.tensor import DTensor
-
-    total = 0
-    for opt in opts:
-        for state in opt.state.values():
-            for key, v in state.items():
-                if key != "step" and torch.is_tensor(v):
-                    local = v._local_tensor if isinstance(v, DTensor) else v
-                    total += local.numel() * local.element_size()
-    return total
+    """Bytes of every optimizer state tensor but ``step``, on this rank."""
+    return sum(
+        t.numel() * t.element_size()
+        for opt in opts
+        for state in opt.state.values()
+        for t in state_tensors(state)
+    )
 
 
 class _PieceCounter:
@@ -213,7 +198,7 @@ def _measure(system: str, job: dict, mesh, rank: int, world: int, data) -> dict:
             for opt in opts:
                 opt.step()
         cpu = time.process_time() - c0
-        elapsed = _max(time.perf_counter() - t0)
+        elapsed = max_over_ranks(time.perf_counter() - t0)
         if counting and isinstance(counter, _PieceCounter):
             comm, sent = dict(counter.calls), float(counter.sent)
         elif counting:
@@ -240,7 +225,7 @@ def _measure(system: str, job: dict, mesh, rank: int, world: int, data) -> dict:
     }
     if ours:
         s = opts[0].last_step
-        per_rank = _gathered([statistics.median(v) for v in zip(*ours)])
+        per_rank = gather_objects([statistics.median(v) for v in zip(*ours)])
         out.update(
             ns_cpu_s=[r[0] for r in per_rank],
             ns_wall_s=[r[1] for r in per_rank],
@@ -253,63 +238,8 @@ def _measure(system: str, job: dict, mesh, rank: int, world: int, data) -> dict:
     return out
 
 
-def _converge(system: str, job: dict, mesh, rank: int, world: int, corpus) -> dict:
-    import torch
+def _rank_main(rank: int, world: int, save, job: dict) -> None:
     import torch.distributed as dist
-
-    from raggedfsdp.models.transformer import lm_loss
-    from raggedfsdp.train.data import get_batch
-
-    model, opts = _build(system, job["model"], mesh)
-    losses = []
-    t0 = time.perf_counter()
-    for step in range(job["steps"]):
-        x, y = get_batch(
-            corpus.train,
-            seed=0,
-            step=step,
-            batch_size=CONV_BATCH,
-            seq_len=CONV_SEQ,
-            rank=rank,
-            world_size=world,
-        )
-        loss = lm_loss(model(x), y)
-        loss.backward()
-        for opt in opts:
-            opt.step()
-            opt.zero_grad()
-        total = loss.detach().clone()
-        dist.all_reduce(total)
-        losses.append(total.item() / world)
-    seconds = time.perf_counter() - t0
-    val = []
-    with torch.no_grad():
-        for i in range(8):
-            x, y = get_batch(
-                corpus.val,
-                seed=1,
-                step=i,
-                batch_size=CONV_BATCH,
-                seq_len=CONV_SEQ,
-                rank=rank,
-                world_size=world,
-            )
-            total = lm_loss(model(x), y).detach().clone()
-            dist.all_reduce(total)
-            val.append(total.item() / world)
-    tail = losses[-20:]
-    return dict(
-        losses=losses, final=sum(tail) / len(tail), val=sum(val) / len(val), seconds=seconds
-    )
-
-
-def _rank_main(rank: int, world: int, job: dict, init_file: str, out_file: str) -> None:
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     from torch.distributed.tensor import init_device_mesh
 
     from raggedfsdp.train.data import load_corpus
@@ -319,7 +249,9 @@ def _rank_main(rank: int, world: int, job: dict, init_file: str, out_file: str) 
     results = {}
     for system in job["systems"]:
         if job["kind"] == "converge":
-            results[system] = _converge(system, job, mesh, rank, world, corpus)
+            model, opts = _build(system, job["model"], mesh)
+            rows = dict(batch_size=CONV_BATCH, seq_len=CONV_SEQ)
+            results[system] = train_and_validate(model, opts, corpus, steps=job["steps"], **rows)
         else:
             try:
                 results[system] = _measure(system, job, mesh, rank, world, corpus.train)
@@ -327,22 +259,10 @@ def _rank_main(rank: int, world: int, job: dict, init_file: str, out_file: str) 
                 line = next((s for s in str(e).splitlines() if s.strip()), "")
                 results[system] = {"error": f"{type(e).__name__}: {line}"}
         dist.barrier()
-        if rank == 0:
-            Path(out_file).write_text(json.dumps(results))  # what is done survives a crash
-    if rank == 0:
-        results["_corpus"] = f"{corpus.source} ({corpus.train.numel():,} training bytes)"
-        Path(out_file).write_text(json.dumps(results))
+        save(results)  # what is done survives a crash
+    results["_corpus"] = f"{corpus.source} ({corpus.train.numel():,} training bytes)"
+    save(results)
     dist.barrier()
-    dist.destroy_process_group()
-
-
-def _worker(job_json: str, out_file: str) -> None:
-    import torch.multiprocessing as mp
-
-    job = json.loads(job_json)
-    with tempfile.TemporaryDirectory() as tmp:
-        init = os.path.join(tmp, "rendezvous")
-        mp.spawn(_rank_main, args=(job["world"], job, init, out_file), nprocs=job["world"])
 
 
 # ---- the parent ---------------------------------------------------------------------------------
@@ -371,16 +291,6 @@ def _crash_reason(text: str) -> str:
         if hits:
             return hits[0][:300]
     return lines[-1][:300] if lines else "no output"
-
-
-def _versions() -> str:
-    out = []
-    for name in ("torch", "muon-fsdp2", "torchao", "bitsandbytes", "numpy"):
-        try:
-            out.append(f"{name} {importlib.metadata.version(name)}")
-        except importlib.metadata.PackageNotFoundError:
-            out.append(f"{name} not installed")
-    return ", ".join(out)
 
 
 def _fmt_bytes(n: float) -> str:
@@ -438,52 +348,27 @@ def _muon_section(cells: dict, steps: int) -> list[str]:
             )
         ours = res.get(OURS[0], {})
         if "ns_cpu_s" in ours:
-            cpu = ours["ns_cpu_s"]
+            cpu, flops = ours["ns_cpu_s"], ours["ns_flops"]
             lines += [
                 "",
-                f"raggedfsdp Muon: NS load balance (slowest / mean rank, measured CPU time) "
-                f"{max(cpu) / statistics.mean(cpu):.2f}, planned FLOPs "
-                f"{max(ours['ns_flops']) / statistics.mean(ours['ns_flops']):.2f}; bytes it "
-                f"counted itself {_fmt_bytes(ours['exact_sent_bytes'])} (CommCounter: "
-                f"{_fmt_bytes(ours['sent_bytes'])}); waiting for communication "
-                f"{max(ours['wait_s']):.3f} s on the slowest rank per step.",
+                "| raggedfsdp Muon | NS balance, slowest / mean rank: CPU time | planned FLOPs "
+                "| bytes it counted itself | bytes CommCounter saw | waiting for communication, "
+                "slowest rank (s) |",
+                "| --- | ---: | ---: | ---: | ---: | ---: |",
+                f"| per step | {max(cpu) / statistics.mean(cpu):.2f} | "
+                f"{max(flops) / statistics.mean(flops):.2f} | "
+                f"{_fmt_bytes(ours['exact_sent_bytes'])} | {_fmt_bytes(ours['sent_bytes'])} | "
+                f"{max(ours['wait_s']):.3f} |",
             ]
         lines.append("")
     return lines
-
-
-def _muon_summary(cells: dict) -> list[str]:
-    """One line per cell: work and bytes of each system against raggedfsdp's Muon."""
-    out = []
-    for (model, world), res in cells.items():
-        ours = res.get(OURS[0], {})
-        if "cpu_s" not in ours:
-            continue
-        parts = []
-        for system, r in res.items():
-            if system == OURS[0] or system.startswith("_"):
-                continue
-            if "error" in r:
-                parts.append(f"{system}: fails")
-                continue
-            parts.append(
-                f"{system}: {r['cpu_s'] / ours['cpu_s']:.2f}x the CPU work, "
-                f"{_fmt_bytes(r['sent_bytes'])} sent"
-            )
-        free = f"{ours['comm_free']}/{ours['matrices']} matrices moved no byte"
-        out.append(
-            f"- `{model}`, {world} ranks: raggedfsdp Muon does {ours['cpu_s']:.2f} CPU s of "
-            f"optimizer step over all ranks and sends {_fmt_bytes(ours['sent_bytes'])} "
-            f"({free}); " + "; ".join(parts) + "."
-        )
-    return out
 
 
 def _catalogue_section(worlds, budgets) -> list[str]:
     from raggedfsdp.models import get_config, param_groups
     from raggedfsdp.models.catalogue import REAL_MODELS
     from raggedfsdp.optim._muon_plan import comm_free_matrices, plan_whole_matrices
-    from raggedfsdp.optim._muon_policy import default_use_muon
+    from raggedfsdp.optim.muon import default_use_muon
     from raggedfsdp.planner import TensorSpec
 
     head = " | ".join(f"whole, budget {100 * b:g}%: matrices / padding" for b in budgets)
@@ -549,7 +434,6 @@ def _catalogue_section(worlds, budgets) -> list[str]:
 
 def _convergence_section(res: dict, model: str, steps: int, world: int) -> list[str]:
     adamw, muon = res["raggedfsdp AdamW"], res["raggedfsdp Muon"]
-    verdict = "PASS" if muon["final"] <= adamw["final"] else "FAIL"
     return [
         "## 3. Convergence: Muon vs AdamW",
         "",
@@ -558,7 +442,8 @@ def _convergence_section(res: dict, model: str, steps: int, world: int) -> list[
         f"same batches, constant learning rates. AdamW: `raggedfsdp.optim.AdamW` {ADAMW}. "
         f"Muon: `raggedfsdp.optim.Muon` {MUON} on the hidden matrices, AdamW as above on "
         "the rest. Final loss: mean training loss of the last 20 steps; validation: 8 "
-        "fixed batches of the held-out split.",
+        "fixed batches of the held-out split. Acceptance: Muon's final loss no worse than "
+        "AdamW's.",
         "",
         "| optimizer | first loss | final loss | validation loss | wall time (s) |",
         "| --- | ---: | ---: | ---: | ---: |",
@@ -567,10 +452,6 @@ def _convergence_section(res: dict, model: str, steps: int, world: int) -> list[
             f"{r['seconds']:.0f} |"
             for name, r in (("AdamW", adamw), ("Muon", muon))
         ),
-        "",
-        f"Muon's final loss {muon['final']:.4f} vs AdamW's {adamw['final']:.4f} "
-        f"({100 * (muon['final'] - adamw['final']) / adamw['final']:+.1f}%): {verdict} "
-        "(acceptance: no worse than AdamW).",
         "",
     ]
 
@@ -589,8 +470,6 @@ def _adamw8bit_section(args) -> list[str]:
     if args.skip_adamw8bit:
         return [title, "", "Skipped (`--skip-adamw8bit`).", ""]
     here = Path(__file__).resolve().parent
-    if not (here / "_adamw8bit_bench.py").exists():
-        return [title, "", "Pending: `benchmarks/_adamw8bit_bench.py` is absent.", ""]
     options = {
         k: v
         for k, v in vars(args).items()
@@ -633,14 +512,11 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=RESULTS / "optim.md")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--worker-out", help=argparse.SUPPRESS)
-    with contextlib.suppress(ImportError):
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
-        import _adamw8bit_bench
-
-        _adamw8bit_bench.add_arguments(parser)
+    _adamw8bit_bench.add_arguments(parser)
     args = parser.parse_args()
     if args.worker:
-        _worker(args.worker, args.worker_out)
+        job = json.loads(args.worker)
+        run_ranks(_rank_main, job["world"], job, out=args.worker_out)
         return
     command = "python " + " ".join(sys.argv)
     args.command = command
@@ -651,25 +527,27 @@ def main() -> None:
     steps = 1 if args.quick else args.steps
     conv_steps = 20 if args.quick else args.conv_steps
     sections: list[str] = []
-    summary: list[str] = []
 
     def write(done: bool = False) -> None:
         """The results so far (a later section that crashes leaves the earlier ones)."""
-        status = "" if done else " (incomplete: still running or stopped)"
-        header = [
-            "# Structure-aware optimizers: Muon (and 8-bit AdamW)",
+        status = "" if done else ", incomplete: still running or stopped"
+        packages = ("torch", "muon-fsdp2", "torchao", "bitsandbytes", "numpy")
+        page = header(
+            "Structure-aware optimizers: Muon (and 8-bit AdamW)",
+            command,
+            time.perf_counter() - start,
+            packages=packages,
+            note=status,
+        )
+        page += [
+            "Peers installed with `pip install --no-deps muon-fsdp2 torchao bitsandbytes` "
+            "(torch stays 2.13.0).",
             "",
-            f"Command: `{command}` ({time.perf_counter() - start:.0f} s{status}). Versions: "
-            f"{_versions()}; Python {platform.python_version()}; {platform.machine()}, "
-            f"{os.cpu_count()} cores (shared: other jobs may load the machine, so compare "
-            "ratios within a table, and CPU work rather than wall time). Peers installed with "
-            "`pip install --no-deps muon-fsdp2 torchao bitsandbytes` (torch stays 2.13.0).",
+            ANALYSIS,
             "",
+            *sections,
         ]
-        if summary:
-            header += ["## Summary", "", *summary, ""]
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text("\n".join(header + sections))
+        write_results(args.out, "\n".join(page))
 
     if not args.skip_muon:
         results = {}
@@ -682,7 +560,6 @@ def main() -> None:
                 res.update(_run_job({**job, "systems": [peer]}, args.timeout))
             results[model, world] = res
         sections += _muon_section(results, steps)
-        summary += _muon_summary(results)
         write()
     print("catalogue", flush=True)
     sections += _catalogue_section(args.catalogue_worlds, (0.0, 0.01))

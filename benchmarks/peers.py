@@ -32,8 +32,8 @@ machine falls on all systems alike. Measured per run (see ``measure``):
   step (all their threads, summed over the ranks): the work a step costs, which the
   load that other processes put on the machine changes far less than the wall time;
 - communicated bytes per step per rank (``raggedfsdp.profiling.CommCounter``, through
-  ``raggedfsdp.train._loop._measure``): all-gather outputs plus reduce-scatter and
-  all-reduce inputs;
+  ``raggedfsdp.profiling.measure_step``, as ``train`` reports them): all-gather outputs
+  plus reduce-scatter and all-reduce inputs;
 - copied bytes per step (``CopyCounter``): every copy-like op of the step, and the
   part beyond the copies the unsharded model makes itself in the same step;
 - peak memory: ``MemTracker`` over one step with the model, the optimizer and every
@@ -65,7 +65,6 @@ Writes ``benchmarks/results/peers.md`` and ``benchmarks/results/peers.png`` (or 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib.util
 import json
 import os
@@ -76,9 +75,18 @@ import time
 import traceback
 from pathlib import Path
 
-from _peers_report import plot, report  # beside this script, so on sys.path
+from _common import (  # beside this script, so on sys.path
+    RESULTS,
+    ROOT,
+    fsdp2_padding,
+    fsdp2_params,
+    git_state,
+    ragged_padding,
+    shard,
+    write_results,
+)
+from _peers_report import plot, report
 
-RESULTS = Path(__file__).resolve().parent / "results"
 SYSTEMS = ("raggedfsdp", "fsdp2", "fsdp1", "deepspeed", "megatron-fsdp")
 # The package each system needs beyond torch (absent: torch itself).
 PACKAGES = {"deepspeed": "deepspeed", "megatron-fsdp": "megatron_fsdp"}
@@ -91,7 +99,7 @@ class Trainer:
     """One model sharded by one system, with its optimizer and its training step.
 
     Attributes:
-        module: the model as the system wraps it (what ``_measure`` looks at).
+        module: the model as the system wraps it (what ``measure`` looks at).
         opt: the ``torch.optim.Optimizer`` that updates the sharded parameters.
         keep: tensors the system keeps between steps that ``module`` and ``opt`` do not
             expose (buffers resized to 0 between uses, flat partitions): MemTracker
@@ -114,46 +122,19 @@ class Trainer:
 
     # ---- the systems --------------------------------------------------------------------
     def _raggedfsdp(self, model, mesh, spec) -> None:
-        from raggedfsdp import BlockPolicy, fully_shard
-        from raggedfsdp.fsdp._api import _state_of
+        from raggedfsdp import BlockPolicy
+        from raggedfsdp.fsdp import buffers_of
 
-        for block in model.transformer_blocks():
-            fully_shard(block, mesh=mesh, block_policy=BlockPolicy(rows=1))
-        fully_shard(model, mesh=mesh, block_policy=BlockPolicy(rows=1))
+        shard(model, mesh, "raggedfsdp", block_policy=BlockPolicy(rows=1))
         self.module, self.opt = model, _adamw(model.parameters(), spec)
-        groups = {
-            name or "root": s.group
-            for name, m in model.named_modules()
-            if (s := _state_of(m)) and s.group
-        }
-        self.padding_groups = {name: g.layout.padding for name, g in groups.items()}
-        self.keep = [
-            t
-            for g in groups.values()
-            for t in (g.dbuf.shard, g.dbuf.shard_grad, g.dbuf.global_params.tensor)
-        ] + [g.dbuf.global_grads.tensor for g in groups.values()]
+        self.padding_groups = ragged_padding(model)
+        self.keep = [t for buf in buffers_of(model) for t in buf.storages()]
 
     def _fsdp2(self, model, mesh, spec) -> None:
-        from torch.distributed.fsdp import fully_shard
-
-        for block in model.transformer_blocks():
-            fully_shard(block, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+        shard(model, mesh, "fsdp2")
         self.module, self.opt = model, _adamw(model.parameters(), spec)
-        groups = {
-            name or "root": [
-                p for g in m._get_fsdp_state()._fsdp_param_groups for p in g.fsdp_params
-            ]
-            for name, m in model.named_modules()
-            if hasattr(m, "_get_fsdp_state")
-        }
-        self.padding_groups = {
-            name: sum(
-                p.padded_sharded_param_size.numel() * self.world - p._orig_size.numel()
-                for p in params
-            )
-            for name, params in groups.items()
-        }
+        groups = fsdp2_params(model)
+        self.padding_groups = {name: fsdp2_padding(ps, self.world) for name, ps in groups.items()}
         self.keep = [t for params in groups.values() for p in params for t in p.all_gather_outputs]
 
     def _fsdp1(self, model, mesh, spec) -> None:
@@ -293,72 +274,64 @@ def _leaf_safe_tracker():
             leaves = all(p.is_leaf for p in module.parameters())
             return super()._track_module_params_and_buffers(module, install_grad_hooks and leaves)
 
-    return LeafSafeMemTracker
-
-
-@contextlib.contextmanager
-def _mem_tracker_for(system: str):
-    """Let ``_loop._measure`` (which builds its own MemTracker) work on FSDP1 too."""
-    from torch.distributed._tools import mem_tracker
-
-    original = mem_tracker.MemTracker
-    if system == "fsdp1":
-        mem_tracker.MemTracker = _leaf_safe_tracker()
-    try:
-        yield
-    finally:
-        mem_tracker.MemTracker = original
+    return LeafSafeMemTracker()
 
 
 def measure(trainer: Trainer, step_fn, own_copies: int) -> dict:
     """Communication, copies and peak memory of one step of ``trainer`` on this rank.
 
-    Comms and copies come from ``raggedfsdp.train._loop._measure`` (as ``train`` reports
-    them). Its memory figure tracks the model only; the peak reported here tracks the
-    optimizer and the system's own storages (``trainer.keep``) from the start too, which
-    DeepSpeed needs (its parameters are empty placeholders between uses).
+    Comms and copies come from ``raggedfsdp.profiling.measure_step`` (as ``train``
+    reports them), whose memory figure tracks the model only; the peak reported here
+    tracks the optimizer and the system's own storages (``trainer.keep``) from the start
+    too, which DeepSpeed needs (its parameters are empty placeholders between uses).
 
     Args:
         trainer: the system under test.
         step_fn: runs one training step (the same batch each call).
         own_copies: bytes the unsharded model copies itself in that step.
     """
-    from raggedfsdp.profiling import CopyCounter
-    from raggedfsdp.train._loop import _measure, _peak_bytes
+    from raggedfsdp.profiling import measure_step, peak_memory
 
-    backend = trainer.system if trainer.system in ("raggedfsdp", "fsdp2") else "other"
-    with _mem_tracker_for(trainer.system):
-        out = _measure(trainer.module, step_fn, backend)
+    backend = trainer.system if trainer.system in ("raggedfsdp", "fsdp2") else None
+    tracker = _leaf_safe_tracker if trainer.system == "fsdp1" else None
+    out = measure_step(trainer.module, step_fn, backend, tracker=tracker)
     out["peak_memory_bytes_model_only"] = out.pop("peak_memory_bytes")
     out["copied_bytes_beyond_model"] = out["copied_bytes_total"] - own_copies
-    if backend == "other":  # _measure attributes copies to raggedfsdp's and FSDP2's only
+    if backend is None:  # measure_step attributes copies to raggedfsdp's and FSDP2's only
         out["copied_bytes_fsdp"] = out["copied_bytes_beyond_model"]
-    with CopyCounter() as copies:  # one more step, for the copies by op
-        step_fn()
-    out["copies_by_op"] = {op: list(v) for op, v in copies.summary(copies.top_level()).items()}
-    tracker = _leaf_safe_tracker()()
-    tracker.track_external(trainer.module, trainer.opt, *trainer.keep)
-    with tracker:
-        step_fn()
-    out["peak_memory_bytes"] = _peak_bytes(tracker)
+    tracked = (trainer.module, trainer.opt, *trainer.keep)
+    out["peak_memory_bytes"] = peak_memory(step_fn, *tracked, tracker=_leaf_safe_tracker)["Total"]
     return out
 
 
-def model_copies(spec: dict, data, step: int, rank: int, world: int) -> int:
-    """Bytes the unsharded model copies in one step of this rank's batch (no FSDP at all)."""
-    from raggedfsdp.models import get_config
-    from raggedfsdp.models.transformer import Transformer, lm_loss
-    from raggedfsdp.profiling import CopyCounter
-    from raggedfsdp.train.data import get_batch
+def _model(spec: dict):
+    """The run's model, unsharded (every system starts from the same one)."""
+    from raggedfsdp.models import Transformer, get_config
 
-    model = Transformer(get_config(spec["model"]), max_seq_len=spec["seq_len"], seed=spec["seed"])
+    return Transformer(get_config(spec["model"]), max_seq_len=spec["seq_len"], seed=spec["seed"])
+
+
+def _batch(spec: dict, data, step: int):
+    """This rank's rows of the run's global batch of ``step``."""
+    import torch.distributed as dist
+
+    from raggedfsdp.train import get_batch
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    rows = dict(batch_size=spec["batch_size"], seq_len=spec["seq_len"], rank=rank, world_size=world)
+    return get_batch(data, seed=spec["seed"], step=step, **rows)
+
+
+def model_copies(spec: dict, data, step: int) -> int:
+    """Bytes the unsharded model copies in one step of this rank's batch (no FSDP at all)."""
+    from raggedfsdp.models import lm_loss
+    from raggedfsdp.profiling import CopyCounter
+
+    model = _model(spec)
     opt = _adamw(model.parameters(), spec)
 
     def one_step() -> None:  # as the systems' steps do: the batch is made inside
-        x, y = get_batch(
-            data, seed=spec["seed"], step=step, batch_size=spec["batch_size"],
-            seq_len=spec["seq_len"], rank=rank, world_size=world,
-        )  # fmt: skip
+        x, y = _batch(spec, data, step)
         lm_loss(model(x), y).backward()
         opt.step()
         opt.zero_grad()
@@ -375,9 +348,7 @@ def worker(spec_path: str) -> int:
     import torch.distributed as dist
     from torch.distributed.tensor import init_device_mesh
 
-    from raggedfsdp.models import get_config
-    from raggedfsdp.models.transformer import Transformer
-    from raggedfsdp.train.data import DataConfig, get_batch, load_corpus
+    from raggedfsdp.train.data import DataConfig, load_corpus
 
     spec = json.loads(Path(spec_path).read_text())
     dist.init_process_group("gloo")
@@ -388,19 +359,14 @@ def worker(spec_path: str) -> int:
     try:
         data = load_corpus(DataConfig(max_bytes=spec["max_bytes"])).train
         steps = spec["warmup"] + spec["steps"]
-        own = model_copies(spec, data, steps, rank, world)
-        config = get_config(spec["model"])
-        model = Transformer(config, max_seq_len=spec["seq_len"], seed=spec["seed"])
+        own = model_copies(spec, data, steps)
+        model = _model(spec)
         n_params = sum(p.numel() for p in model.parameters())
         trainer = Trainer(spec["system"], model, init_device_mesh("cpu", (world,)), spec)
         stage = "train"
 
         def one_step(step: int):
-            x, y = get_batch(
-                data, seed=spec["seed"], step=step, batch_size=spec["batch_size"],
-                seq_len=spec["seq_len"], rank=rank, world_size=world,
-            )  # fmt: skip
-            return trainer.step(x, y)
+            return trainer.step(*_batch(spec, data, step))
 
         losses, times, cpu = [], [], []
         for step in range(steps):
@@ -446,7 +412,6 @@ def worker(spec_path: str) -> int:
 # ================================================================================================
 # The comparison: runs interleaved over the systems, then the report
 # ================================================================================================
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def unavailable(system: str) -> str | None:
@@ -538,20 +503,6 @@ def run_cells(args, systems: list[str]) -> tuple[dict, dict]:
     return results, skipped
 
 
-def _git_state() -> str:
-    try:
-        rev = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--", "raggedfsdp"],
-            capture_output=True, text=True, cwd=ROOT,
-        ).stdout.strip()  # fmt: skip
-    except OSError:
-        return "an unknown commit"
-    return f"commit {rev}" + (" (raggedfsdp/ with uncommitted changes)" if dirty else "")
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     p = argparse.ArgumentParser(
@@ -612,7 +563,7 @@ def main(argv: list[str] | None = None) -> int:
         run = {k: record[k] for k in ("command", "seconds", "load", "git")}
         run["report_from"] = args.report_from
     else:
-        run = {"command": " ".join([exe, "benchmarks/peers.py", *argv]), "git": _git_state()}
+        run = {"command": " ".join([exe, "benchmarks/peers.py", *argv]), "git": git_state()}
         t0, load = time.perf_counter(), [os.getloadavg()[0]]
         results, skipped = run_cells(args, systems)
         run.update(seconds=time.perf_counter() - t0, load=[*load, os.getloadavg()[0]])
@@ -621,13 +572,12 @@ def main(argv: list[str] | None = None) -> int:
         (Path(args.runs) / "record.json").write_text(json.dumps(record, indent=1))
     text, table = report(results, skipped, systems, args, run)
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(text)
+    write_results(out, text)
     Path(args.runs).mkdir(parents=True, exist_ok=True)
     (Path(args.runs) / "summary.json").write_text(json.dumps(table, indent=1))
     cells = f"{', '.join(args.models)} at {', '.join(map(str, args.worlds))} gloo ranks"
     plot(table, systems, skipped, out.with_suffix(".png"), f"Peers against raggedfsdp: {cells}")
-    print(text)
+    print(out.read_text())
     print(f"wrote {out} and {out.with_suffix('.png')}")
     return 0
 

@@ -3,7 +3,8 @@
     .venv/bin/python benchmarks/planner.py            # full sweep (a few minutes)
     .venv/bin/python benchmarks/planner.py --quick    # fewer world sizes, for a smoke run
 
-Writes ``benchmarks/results/planner.md`` (configuration, versions, summary, raw numbers)
+Writes ``benchmarks/results/planner.md`` (configuration, versions, summary tables, the
+plan time of every model at 16,384 ranks, raw numbers; its hand-written analysis kept)
 and ``benchmarks/results/planner.png`` (padding vs world size) and
 ``benchmarks/results/planner_gpt_oss.png`` (GPT-OSS-120B, 128-row blocks, every world
 size that is a multiple of 8: where the paper's step-shaped spikes land).
@@ -12,14 +13,12 @@ size that is a multiple of 8: where the paper's step-shaped spikes land).
 from __future__ import annotations
 
 import argparse
-import platform
 import random
 import sys
 import time
 from pathlib import Path
 
-import numpy as np
-import scipy
+from _common import ANALYSIS, RESULTS, ROOT, header, write_results  # beside this script
 
 from raggedfsdp.models import get_config, param_groups
 from raggedfsdp.models.catalogue import REAL_MODELS
@@ -32,12 +31,13 @@ from raggedfsdp.planner import (
     plan_buffer,
     plan_exact,
     plan_groups,
+    with_block_rows,
     zero3_padding,
 )
-from raggedfsdp.planner._spec import with_block_rows
 
-RESULTS = Path(__file__).resolve().parent / "results"
 BLOCKS = (1, 16, 128)
+TIMED_WORLD = 16384  # the plan time reported for every model (best of TIMED_RUNS cold plans)
+TIMED_RUNS = 2
 
 
 def model_groups(name: str, block_rows: int):
@@ -98,6 +98,17 @@ def sweep(worlds: list[int]) -> list[dict]:
                 )
             print(f"  {name} block {k}: done", file=sys.stderr, flush=True)
     return rows
+
+
+def plan_times(world: int = TIMED_WORLD, runs: int = TIMED_RUNS) -> list[dict]:
+    """Seconds to plan each whole model cold at ``world`` ranks, best of ``runs``."""
+    out = []
+    for name in REAL_MODELS:
+        for k in BLOCKS:
+            groups = model_groups(name, k)
+            best = min(measure(groups, world, gaps=False)["seconds"] for _ in range(runs))
+            out.append({"model": name, "block_rows": k, "world": world, "seconds": best})
+    return out
 
 
 def gpt_oss_fine(max_world: int) -> list[tuple[int, float, float]]:
@@ -211,75 +222,102 @@ def pct(x: float) -> str:
     return f"{100 * x:.3f}"
 
 
-def write_md(path, argv, rows, fine, ilp, worlds, elapsed) -> None:
-    import torch  # versions only; the planner itself never imports it
-
-    acc = [r for r in rows if r["world"] <= 4096]
-    worst = max(acc, key=lambda r: r["pad"] - r["bound"])
-    low = [r for r in acc if r["bound"] < 0.02]
-    worst_low = max(low, key=lambda r: r["pad"]) if low else None
-    slowest = max((r for r in rows if r["world"] == max(worlds)), key=lambda r: r["seconds"])
-    helped = [r for r in rows if r["gap_pad"] < r["pad"] - 1e-12]
+def summary_table(rows: list[dict], times: list[dict]) -> list[str]:
+    """Per model and block size: the worst padding against the bound, and the plan time."""
+    seconds = {(t["model"], t["block_rows"]): t["seconds"] for t in times}
     lines = [
-        "# Planner: padding and plan time on the catalogued models",
-        "",
-        f"Command: `{' '.join(argv)}` (took {elapsed:.0f} s).",
-        "",
-        f"Versions: Python {platform.python_version()}, NumPy {np.__version__}, "
-        f"SciPy {scipy.__version__} (HiGHS), torch {torch.__version__} (not used by the "
-        f"planner); {platform.platform()}, {platform.processor() or 'cpu'}.",
-        "",
+        "| model | block rows | worst padding above the bound, pp (world) | worst padding "
+        "where the bound is under 2%, % (world) | plan time at "
+        f"{TIMED_WORLD:,} ranks, s (best of {TIMED_RUNS} cold) |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for name in REAL_MODELS:
+        for k in BLOCKS:
+            sel = [r for r in rows if r["model"] == name and r["block_rows"] == k]
+            acc = [r for r in sel if r["world"] <= 4096]
+            worst = max(acc, key=lambda r: r["pad"] - r["bound"])
+            low = [r for r in acc if r["bound"] < 0.02]
+            worst_low = max(low, key=lambda r: r["pad"]) if low else None
+            low_cell = f"{pct(worst_low['pad'])} ({worst_low['world']})" if worst_low else "-"
+            time_cell = f"{seconds[name, k]:.3f}" if (name, k) in seconds else "-"
+            lines.append(
+                f"| {name} | {k} | {100 * (worst['pad'] - worst['bound']):.3f} "
+                f"({worst['world']}) | {low_cell} | {time_cell} |"
+            )
+    return lines
+
+
+def ilp_table(ilp: dict) -> list[str]:
+    return [
+        "| instances (m <= 8, <= 8 tensors) | seed | proven optimal by HiGHS | planner found "
+        "the optimum | worst excess, alignment units per rank | seconds |",
+        "|---:|---:|---:|---:|---:|---:|",
+        f"| {ilp['n']} | {ilp['seed']} | {ilp['proven']} | {ilp['hits']} | "
+        f"{ilp['worst_units']} | {ilp['seconds']:.0f} |",
+    ]
+
+
+def fine_table(fine: list[tuple[int, float, float]]) -> list[str]:
+    first18 = next(((m, p) for m, p, _ in fine if p >= 0.18), None)
+    below3 = [m for m, p, _ in fine if p < 0.03]
+    cliff = first18[0] if first18 else fine[-1][0] + 1
+    peak = max(((m, p) for m, p, _ in fine if m < cliff), key=lambda t: t[1], default=None)
+    cells = [
+        f"8-{fine[-1][0]} ({len(fine)})",
+        str(sum(abs(p - b) < 1e-9 for _, p, b in fine)),
+        f"{len(below3)} (largest {max(below3, default=0)})",
+        f"{first18[0]} ({pct(first18[1])}%)" if first18 else "none",
+        f"{peak[0]} ({pct(peak[1])}%)" if peak else "-",
+    ]
+    return [
+        "| world sizes, multiples of 8 (count) | padding = bound | padding under 3% | first "
+        "world with padding >= 18% | highest padding below that world |",
+        "|---|---:|---:|---:|---:|",
+        "| " + " | ".join(cells) + " |",
+    ]
+
+
+def write_md(path, argv, rows, times, fine, ilp, worlds, elapsed) -> None:
+    helped = [r for r in rows if r["gap_pad"] < r["pad"] - 1e-12]
+    lines = header(
+        "Planner: padding and plan time on the catalogued models",
+        " ".join(argv),
+        elapsed,
+        packages=("numpy", "scipy", "torch"),
+    )
+    lines += [
         f"Configuration: bfloat16 buffers, alignment {DEFAULT_ALIGNMENT_BYTES} bytes (64 "
         "elements), groups as `fully_shard` makes them (embeddings, one per transformer "
         f"block, final norm + head); block rows {BLOCKS} (model-wide, clamped to tensors "
         f"with fewer rows); world sizes {worlds}. Padding is summed over all groups, in % "
         "of the model's parameters. Plan time is a cold plan of the whole model (identical "
         "groups are planned once). The lower bound is the planner's proven one (see "
-        "`raggedfsdp.planner`), summed the same way.",
+        "`raggedfsdp.planner`), summed the same way. The exact optima are HiGHS's "
+        "(`scipy.optimize.milp`); torch is not used by the planner.",
+        "",
+        ANALYSIS,
         "",
         "## Summary",
         "",
-        f"- Worst padding above the lower bound, world 8..4096, every model and block size: "
-        f"**{100 * (worst['pad'] - worst['bound']):.3f} pp** ({worst['model']}, "
-        f"{worst['block_rows']}-row blocks, world {worst['world']}: {pct(worst['pad'])}% vs "
-        f"bound {pct(worst['bound'])}%). Acceptance: within 1 pp.",
-    ]
-    if worst_low:
-        lines.append(
-            f"- Where the bound is under 2%, the worst padding is **{pct(worst_low['pad'])}%** "
-            f"({worst_low['model']}, {worst_low['block_rows']}-row blocks, world "
-            f"{worst_low['world']}). Acceptance: at most 3%."
-        )
-    lines += [
-        f"- Plan time at world {max(worlds)}: slowest model **{slowest['seconds']:.3f} s** "
-        f"({slowest['model']}, {slowest['block_rows']}-row blocks); acceptance under 1 s.",
-        f"- ILP parity: on {ilp['proven']} random instances solved to proven optimality by "
-        f"HiGHS (m <= 8, <= 8 tensors, seed {ilp['seed']}), the planner found the optimum "
-        f"on **{ilp['hits']}/{ilp['proven']} = {100 * ilp['hits'] / max(ilp['proven'], 1):.1f}%**;"
-        f" worst excess {ilp['worst_units']} alignment unit(s) per rank ({ilp['seconds']:.0f} s).",
-    ]
-    spikes = [(m, p, b) for m, p, b in fine]
-    first18 = next(((m, p) for m, p, _ in spikes if p >= 0.18), None)
-    below3 = [m for m, p, _ in spikes if p < 0.03]
-    cliff = first18[0] if first18 else fine[-1][0] + 1
-    peak = max(((m, p) for m, p, _ in spikes if m < cliff), key=lambda t: t[1], default=None)
-    lines += [
-        f"- GPT-OSS-120B, 128-row blocks, every world size multiple of 8 up to "
-        f"{fine[-1][0]} (`planner_gpt_oss.png`): padding equals the lower bound at "
-        f"{sum(abs(p - b) < 1e-9 for _, p, b in spikes)}/{len(spikes)} sizes; under 3% at "
-        f"{len(below3)} sizes (largest {max(below3, default=0)}); first at or above 18% at "
-        + (f"world {first18[0]} ({pct(first18[1])}%)." if first18 else "no world size.")
-        + (
-            f" Below that, step-shaped spikes peak at {pct(peak[1])}% (world {peak[0]})."
-            if peak
-            else ""
-        )
-        + " The steps are forced: the fused experts (128 x 5760 and 128 x 2880-element "
-        "blocks) and the attention output projection (128 x 4096) each contain whole "
-        "shards once the world is large, so S must be a multiple of every one of their "
-        "blocks (lcm 23.6M elements) or the group must be spread thinner; the bound proves "
-        "no layout does better.",
-        f"- Member gaps (opt-in) lowered the padding in {len(helped)} of {len(rows)} "
+        "World sizes 8 to 4096 for the padding columns; acceptance: within 1 pp of the bound, "
+        f"and at most 3% where the bound is under 2%; a whole model planned at "
+        f"{TIMED_WORLD:,} ranks in under 1 s.",
+        "",
+        *summary_table(rows, times),
+        "",
+        "ILP parity: random small instances solved to proven optimality by HiGHS, against "
+        "the planner.",
+        "",
+        *ilp_table(ilp),
+        "",
+        f"GPT-OSS-120B, 128-row blocks, every world size that is a multiple of 8 up to "
+        f"{fine[-1][0]} (`planner_gpt_oss.png`):",
+        "",
+        *fine_table(fine),
+        "",
+        "## Member gaps",
+        "",
+        f"Member gaps (opt-in) lowered the padding in {len(helped)} of {len(rows)} "
         "configurations; the largest gains:",
         "",
         "| model | block rows | world | no gaps % | with gaps % | gap-space bound % |",
@@ -291,12 +329,6 @@ def write_md(path, argv, rows, fine, ilp, worlds, elapsed) -> None:
             f"{pct(r['gap_pad'])} | {pct(r['gap_bound'])} |"
         )
     lines += [
-        "",
-        "Gaps never raise the padding (the planner keeps the gap-free layout when it is as "
-        "good). They help where a stack of experts, each smaller than a shard, would "
-        "otherwise force S to a multiple of its block next to other tensors' blocks (lcm "
-        "rounding); they cannot help where one expert alone spans two shards (GPT-OSS at "
-        "large worlds), since a whole shard then lies inside one member.",
         "",
         "## Raw numbers",
         "",
@@ -315,27 +347,37 @@ def write_md(path, argv, rows, fine, ilp, worlds, elapsed) -> None:
         )
     lines += ["", "GPT-OSS-120B, 128-row blocks, fine sweep (world: padding %, bound %):", ""]
     lines.append(", ".join(f"{m}: {pct(p)}/{pct(b)}" for m, p, b in fine))
-    path.write_text("\n".join(lines) + "\n")
+    write_results(path, "\n".join(lines))
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer world sizes and instances")
+    ap.add_argument(
+        "--out",
+        type=Path,
+        help="the page (the PNGs beside it); default benchmarks/results/planner.md, "
+        "or out/planner-quick/planner.md with --quick",
+    )
     args = ap.parse_args()
+    quick_dir = ROOT / "out" / "planner-quick"
+    out = args.out or (quick_dir if args.quick else RESULTS) / "planner.md"
     t0 = time.perf_counter()
-    worlds = [8, 64, 1024, 16384] if args.quick else [2**i for i in range(3, 15)]
+    worlds = [8, 64, 1024, TIMED_WORLD] if args.quick else [2**i for i in range(3, 15)]
     print("sweeping the catalogue ...", file=sys.stderr)
     rows = sweep(worlds)
+    print(f"plan time at {TIMED_WORLD:,} ranks ...", file=sys.stderr)
+    times = plan_times()
     print("GPT-OSS fine sweep ...", file=sys.stderr)
     fine = gpt_oss_fine(512 if args.quick else 2048)
     print("ILP parity ...", file=sys.stderr)
     ilp = ilp_parity(40 if args.quick else 300, seed=2024)
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    plot(rows, worlds, RESULTS / "planner.png")
-    plot_fine(fine, RESULTS / "planner_gpt_oss.png")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    plot(rows, worlds, out.with_name("planner.png"))
+    plot_fine(fine, out.with_name("planner_gpt_oss.png"))
     argv = [".venv/bin/python", "benchmarks/planner.py"] + sys.argv[1:]
-    write_md(RESULTS / "planner.md", argv, rows, fine, ilp, worlds, time.perf_counter() - t0)
-    print((RESULTS / "planner.md").read_text().split("## Raw numbers")[0])
+    write_md(out, argv, rows, times, fine, ilp, worlds, time.perf_counter() - t0)
+    print(out.read_text().split("## Raw numbers")[0])
     return 0
 
 

@@ -4,11 +4,11 @@
     .venv/bin/python benchmarks/run_all.py --only planner   # a selection, comma-separated
 
 Each benchmark is its own script, run as a subprocess with this interpreter, and writes
-its own ``benchmarks/results/<name>.md``; a script that does not exist yet is skipped
-with a message. The peers comparison needs DeepSpeed and Megatron-FSDP, which live in the
-optional environment ``.venv-peers`` (``make bench-peers`` builds it and runs them): when
-it exists, peers run there and write ``benchmarks/results/peers.md``; otherwise they run
-here with the systems torch itself has (raggedfsdp, FSDP2, FSDP1) and write
+its own ``benchmarks/results/<name>.md`` (keeping the page's hand-written analysis). The
+peers comparison needs DeepSpeed and Megatron-FSDP, which live in the optional
+environment ``.venv-peers`` (``make bench-peers`` builds it and runs them): when it
+exists, peers run there and write ``benchmarks/results/peers.md``; otherwise they run here
+with the systems torch itself has (raggedfsdp, FSDP2, FSDP1) and write
 ``out/bench/peers.md``, so that the committed five-system report is not replaced by a
 smaller one.
 
@@ -55,10 +55,6 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--only: unknown benchmark(s) {', '.join(unknown)}; choose from {BENCHMARKS}")
     outcomes = []
     for name in chosen:
-        if not (ROOT / "benchmarks" / f"{name}.py").exists():
-            print(f"== {name}: skipped, benchmarks/{name}.py does not exist yet", flush=True)
-            outcomes.append((name, "skipped (no script)", 0.0))
-            continue
         cmd, how = command(name)
         print(f"== {name}: {' '.join(cmd)}" + (f"  ({how})" if how else ""), flush=True)
         t0 = time.perf_counter()

@@ -10,21 +10,23 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
 
-from raggedfsdp.train._loop import plot_losses, read_metrics
+from raggedfsdp.train.report import mib, plot_losses, ratio, read_metrics
 
 BACKENDS = ("raggedfsdp", "fsdp2")
 
 
 def _mib(n: float) -> str:
-    return f"{n / 2**20:,.2f} MiB"
+    return f"{mib(n, 2)} MiB"
 
 
 def _ratio(ours: float, theirs: float) -> str:
-    return f"{ours / theirs:.2f}x" if theirs else ("1.00x" if not ours else "-")
+    r = ratio(ours, theirs)
+    return f"{r:.2f}x" if math.isfinite(r) else "-"
 
 
 ROWS = [

@@ -9,6 +9,9 @@ Both are ``TorchDispatchMode``s: enter one around a step and read what ran::
     copies.touching(buffer_storages(model))   # the copies that read or wrote DBuffer storages
     comms.summary()         # {"all_gather": CommStats(count, input_bytes, output_bytes), ...}
 
+or let ``measure_step(model, step_fn)`` run a step under both, then under torch's
+``MemTracker``, and return the bytes communicated and copied and the peak memory.
+
 Ops on tensor subclasses (DTensor) are not counted at the subclass level: the mode
 returns ``NotImplemented``, the subclass runs its local ops, and those are counted,
 on the storages that actually hold the data. Ops on fake tensors (DTensor's sharding
@@ -43,7 +46,7 @@ propagation) hold no data and are not counted.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -61,6 +64,8 @@ __all__ = [
     "CopyCounter",
     "CopyEvent",
     "buffer_storages",
+    "measure_step",
+    "peak_memory",
     "storage_key",
 ]
 
@@ -391,19 +396,92 @@ class CommCounter(TorchDispatchMode):
 
 # ---- raggedfsdp's storages --------------------------------------------------------------------
 def buffer_storages(module: torch.nn.Module) -> set[int]:
-    """Storage keys of every DBuffer under ``module`` (``raggedfsdp.fully_shard``'d modules).
+    """Storage keys of every flat buffer under ``module`` (``raggedfsdp.fully_shard``'d modules).
 
-    Each param group has four: the shard, the shard gradient, and the global parameter
-    and gradient storages (the latter two keep their key while freed and reallocated).
+    Each buffer has four (``BufferView.storages()``): the shard, the shard gradient, and
+    the global parameter and gradient storages (the latter two keep their key while
+    freed and reallocated).
     """
-    from raggedfsdp.fsdp._api import _state_of
+    from raggedfsdp.fsdp import buffers_of
 
-    keys = set()
-    for m in module.modules():
-        state = _state_of(m)
-        if state is None or state.group is None:
-            continue
-        dbuf = state.group.dbuf
-        for t in (dbuf.shard, dbuf.shard_grad, dbuf.global_params.tensor, dbuf.global_grads.tensor):
-            keys.add(storage_key(t))
-    return keys
+    return {storage_key(t) for buf in buffers_of(module) for t in buf.storages()}
+
+
+# ---- one training step, measured ----------------------------------------------------------------
+def peak_memory(
+    step_fn: Callable[[], object],
+    *tracked: Any,
+    tracker: Callable[[], Any] | None = None,
+) -> dict[str, int]:
+    """Peak memory of one call of ``step_fn`` on this rank, by ``MemTracker`` category.
+
+    Args:
+        step_fn: the code to measure (one training step).
+        *tracked: modules, optimizers and tensors that exist before the step
+            (``MemTracker.track_external``), so that their bytes count from the start.
+        tracker: makes the ``MemTracker`` (a subclass, for a system it needs adapting
+            to). Default ``torch.distributed._tools.mem_tracker.MemTracker``.
+
+    Returns:
+        ``{"Total": bytes, "PARAM": bytes, "GRAD": bytes, "ACT": ..., "OPT": ...}`` at the
+        peak, on the device whose peak is the largest.
+    """
+    if tracker is None:
+        from torch.distributed._tools.mem_tracker import MemTracker as tracker
+    mem = tracker()
+    mem.track_external(*tracked)
+    with mem:
+        step_fn()
+    peaks = mem.get_tracker_snapshot("peak").values()
+    peak = max(peaks, key=lambda by_kind: by_kind.get("Total", 0), default={})
+    return {getattr(k, "name", k): int(v) for k, v in peak.items()}
+
+
+def measure_step(
+    model: torch.nn.Module,
+    step_fn: Callable[[], object],
+    backend: str | None = "raggedfsdp",
+    *,
+    tracker: Callable[[], Any] | None = None,
+) -> dict[str, Any]:
+    """Communication, copies and peak memory of one training step on this rank.
+
+    Runs ``step_fn`` twice: once under ``CopyCounter`` and ``CommCounter``, once under
+    ``peak_memory`` (with ``model`` tracked from the start). Call it on a step that does
+    the same work each time (after a first, warm-up step).
+
+    Args:
+        model: the model the step trains.
+        step_fn: runs one training step.
+        backend: which copies are the FSDP's own (``copied_bytes_fsdp``):
+            ``"raggedfsdp"``, those that read or write one of its buffers (the
+            backend's copy into a reduce-scatter output apart); ``"fsdp2"``, its
+            ``fsdp.*`` ops (copy-in, copy-out, reduce-scatter copy-in); None, none
+            attributed (the key is left out). Default ``"raggedfsdp"``.
+        tracker: passed to ``peak_memory``.
+
+    Returns:
+        ``copied_bytes_total`` (every top-level copy), ``copied_bytes_fsdp``,
+        ``copies_by_op`` (``{op: [count, bytes]}``, top level), ``<kind>_bytes`` and
+        ``<kind>_count`` per collective kind (bytes: an all-gather's output, any other
+        collective's input), and ``peak_memory_bytes``.
+    """
+    if backend not in ("raggedfsdp", "fsdp2", None):
+        raise ValueError(
+            f"measure_step: backend must be 'raggedfsdp', 'fsdp2' or None, got {backend!r}"
+        )
+    with CopyCounter() as copies, CommCounter() as comms:
+        step_fn()
+    top = copies.top_level()
+    out: dict[str, Any] = {"copied_bytes_total": copies.total_bytes()}
+    if backend == "raggedfsdp":
+        near = copies.touching(buffer_storages(model))
+        out["copied_bytes_fsdp"] = copies.total_bytes([e for e in near if e.within is None])
+    elif backend == "fsdp2":
+        out["copied_bytes_fsdp"] = copies.total_bytes([e for e in top if e.op.startswith("fsdp.")])
+    out["copies_by_op"] = {op: list(v) for op, v in copies.summary(top).items()}
+    for kind, stats in comms.summary().items():
+        out[f"{kind}_bytes"] = stats.output_bytes if kind == "all_gather" else stats.input_bytes
+        out[f"{kind}_count"] = stats.count
+    out["peak_memory_bytes"] = peak_memory(step_fn, model, tracker=tracker)["Total"]
+    return out

@@ -69,7 +69,7 @@ from raggedfsdp.planner._plan import (
     plan_buffer,
     plan_groups,
 )
-from raggedfsdp.planner._spec import WHOLE, TensorSpec
+from raggedfsdp.planner._spec import WHOLE, TensorSpec, with_block_rows
 
 __all__ = [
     "DEFAULT_ALIGNMENT_BYTES",
@@ -85,5 +85,6 @@ __all__ = [
     "plan_buffer",
     "plan_exact",
     "plan_groups",
+    "with_block_rows",
     "zero3_padding",
 ]

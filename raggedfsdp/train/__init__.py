@@ -1,21 +1,11 @@
-"""Training: the demo data (``data``); the ``train`` command lands here later."""
+"""The application: ``python -m raggedfsdp train`` (``_cli``, ``_loop``), its data and reports.
 
-from raggedfsdp.train.data import (
-    BYTE_VOCAB,
-    DataConfig,
-    TextCorpus,
-    batches,
-    get_batch,
-    load_corpus,
-    stdlib_dir,
-)
+``data``: the demo corpus and its world-size-invariant batches. ``report``: the metrics
+a run writes, its loss curves, and the units the demo and the benchmarks print.
+"""
 
-__all__ = [
-    "BYTE_VOCAB",
-    "DataConfig",
-    "TextCorpus",
-    "batches",
-    "get_batch",
-    "load_corpus",
-    "stdlib_dir",
-]
+from raggedfsdp.train import data, report
+from raggedfsdp.train.data import *  # noqa: F403  (its __all__)
+from raggedfsdp.train.report import *  # noqa: F403  (its __all__)
+
+__all__ = [*data.__all__, *report.__all__]

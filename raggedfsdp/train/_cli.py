@@ -10,6 +10,7 @@ machines.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import sys
@@ -110,6 +111,16 @@ def check_args(args: argparse.Namespace) -> None:
     for name in ("steps", "seq_len"):
         if getattr(args, name) < 1:
             raise ValueError(f"train: --{name.replace('_', '-')} must be >= 1")
+    for package, option, what in (
+        ("tqdm", "--no-progress", "the progress bar"),
+        ("matplotlib", "--no-plot", "the loss plot"),
+    ):
+        wanted = not getattr(args, option[2:].replace("-", "_"))
+        if wanted and importlib.util.find_spec(package) is None:
+            raise ValueError(
+                f"train: {what} needs {package}, which is not installed; install the "
+                f"application's extra (pip install 'raggedfsdp[train]') or pass {option}"
+            )
     from raggedfsdp.train.data import DataConfig, load_corpus
 
     load_corpus(DataConfig(path=args.data, max_bytes=args.max_bytes))  # raises on bad data

@@ -23,7 +23,9 @@ from torch.distributed.tensor import init_device_mesh
 
 from raggedfsdp.models import get_config
 from raggedfsdp.models.transformer import Transformer, lm_loss
+from raggedfsdp.profiling import measure_step
 from raggedfsdp.train.data import DataConfig, get_batch, load_corpus
+from raggedfsdp.train.report import plot_losses
 
 
 def _shard(model: Transformer, args, mesh) -> None:
@@ -53,20 +55,14 @@ def _optimizer(model: nn.Module, args) -> torch.optim.Optimizer:
     groups = [{"params": decay}, {"params": rest, "weight_decay": 0.0}]
     if args.optim == "adamw":
         return torch.optim.AdamW(groups, lr=args.lr, weight_decay=args.weight_decay, foreach=True)
-    if args.optim == "flat-adamw":
-        from raggedfsdp.optim import AdamW
-
-        return AdamW(groups, lr=args.lr, weight_decay=args.weight_decay)
     if args.optim == "sgd":
         return torch.optim.SGD(model.parameters(), lr=args.lr)
-    import raggedfsdp.optim as ropt
+    from raggedfsdp.optim import AdamW, AdamW8bit, Muon
 
-    name = {"muon": "Muon", "adamw8bit": "AdamW8bit"}[args.optim]
-    if not hasattr(ropt, name):
-        raise NotImplementedError(f"train: --optim {args.optim} is not available in this build")
     if args.optim == "muon":
-        return ropt.Muon(model.named_parameters(), lr=args.lr, weight_decay=args.weight_decay)
-    return ropt.AdamW8bit(groups, lr=args.lr, weight_decay=args.weight_decay)
+        return Muon(model.named_parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    flat = {"flat-adamw": AdamW, "adamw8bit": AdamW8bit}[args.optim]
+    return flat(groups, lr=args.lr, weight_decay=args.weight_decay)
 
 
 def _lr_lambda(args):
@@ -88,13 +84,9 @@ def padding_ratio(model: nn.Module, backend: str, world: int) -> float:
             rows = p.shape[0]
             pad += (math.ceil(rows / world) * world - rows) * (p.numel() // rows)
         return pad / total
-    from raggedfsdp.fsdp._api import _state_of
+    from raggedfsdp.fsdp import buffers_of
 
-    pad = sum(
-        s.group.layout.padding
-        for m in model.modules()
-        if (s := _state_of(m)) is not None and s.group is not None
-    )
+    pad = sum(buf.layout.padding for buf in buffers_of(model))
     return pad / total
 
 
@@ -107,40 +99,6 @@ def _clip(model, args):
         from raggedfsdp import clip_grad_norm_
 
         clip_grad_norm_(model.parameters(), args.clip)
-
-
-def _measure(model, step_fn, backend: str) -> dict:
-    """Comm bytes, copied bytes and peak memory of one training step (this rank)."""
-    from torch.distributed._tools.mem_tracker import MemTracker
-
-    from raggedfsdp.profiling import CommCounter, CopyCounter, buffer_storages
-
-    with CopyCounter() as copies, CommCounter() as comms:
-        step_fn()
-    out = {"copied_bytes_total": copies.total_bytes()}
-    if backend == "raggedfsdp":
-        near = copies.touching(buffer_storages(model))
-        out["copied_bytes_fsdp"] = copies.total_bytes([e for e in near if e.within is None])
-    else:
-        fsdp_ops = [e for e in copies.top_level() if e.op.startswith("fsdp.")]
-        out["copied_bytes_fsdp"] = copies.total_bytes(fsdp_ops)
-    for kind, stats in comms.summary().items():
-        out[f"{kind}_bytes"] = stats.output_bytes if kind == "all_gather" else stats.input_bytes
-        out[f"{kind}_count"] = stats.count
-    tracker = MemTracker()
-    tracker.track_external(model)
-    with tracker:
-        step_fn()
-    out["peak_memory_bytes"] = _peak_bytes(tracker)
-    return out
-
-
-def _peak_bytes(tracker) -> int:
-    peak = tracker.get_tracker_snapshot("peak")
-    for dev, by_kind in peak.items():
-        if str(dev).startswith("cpu"):
-            return int(by_kind.get("Total", sum(by_kind.values())))
-    return 0
 
 
 def main(argv: list[str]) -> int:
@@ -229,7 +187,7 @@ def main(argv: list[str]) -> int:
     # first, so the measured one starts where a training step does (after a backward,
     # not after the no-grad validation forward, which leaves FSDP2's root unsharded).
     one_step(args.steps)
-    measured = _measure(model, lambda: one_step(args.steps + 1), args.backend)
+    measured = measure_step(model, lambda: one_step(args.steps + 1), args.backend)
     steady = times[min(5, len(times) - 1) :] or times
     summary = {
         "backend": args.backend,
@@ -241,7 +199,7 @@ def main(argv: list[str]) -> int:
         "tokens_per_s": tokens / statistics.median(steady),
         "padding_ratio": padding_ratio(model, args.backend, world),
         "final_loss": loss,
-        **{k: v for k, v in measured.items()},
+        **measured,
     }
     gathered = [None] * world
     dist.all_gather_object(gathered, measured)
@@ -253,39 +211,6 @@ def main(argv: list[str]) -> int:
             plot_losses({args.backend: out / "metrics.jsonl"}, out / "loss.png", args.model)
     dist.destroy_process_group()
     return 0
-
-
-def read_metrics(path: Path) -> list[dict]:
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
-
-
-def plot_losses(runs: dict[str, Path], png: Path, title: str) -> None:
-    """Train (and validation) loss curves of several runs in one PNG."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
-    styles = ["-", "--", ":", "-."]
-    for (name, path), style in zip(runs.items(), styles):
-        rows = read_metrics(path)
-        ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], style, label=f"{name} train")
-        val = [r for r in rows if "val_loss" in r]
-        if val:
-            ax.plot(
-                [r["step"] for r in val],
-                [r["val_loss"] for r in val],
-                "o" + style,
-                label=f"{name} val",
-            )
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss (nats / byte)")
-    ax.set_title(title)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(png, dpi=110)
-    plt.close(fig)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ it). No iterator state exists: resuming at step k just asks for step k.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import os
 import sysconfig
 from collections.abc import Iterator
@@ -262,32 +263,18 @@ def get_batch(
 
 
 def batches(
-    data: Tensor,
-    *,
-    seed: int,
-    batch_size: int,
-    seq_len: int,
-    rank: int = 0,
-    world_size: int = 1,
-    start_step: int = 0,
-    num_steps: int | None = None,
+    data: Tensor, *, start_step: int = 0, num_steps: int | None = None, **rows: int
 ) -> Iterator[tuple[Tensor, Tensor]]:
     """``get_batch`` for steps ``start_step, start_step + 1, ...`` (``num_steps`` of them).
 
     Args:
-        data, seed, batch_size, seq_len, rank, world_size: as for ``get_batch``.
+        data: as for ``get_batch``.
         start_step: the first step (resume here). Default 0.
         num_steps: how many batches; None: no end. Default None.
+        **rows: ``seed``, ``batch_size``, ``seq_len``, ``rank``, ``world_size``: as for
+            ``get_batch``.
     """
-    step = start_step
-    while num_steps is None or step < start_step + num_steps:
-        yield get_batch(
-            data,
-            seed=seed,
-            step=step,
-            batch_size=batch_size,
-            seq_len=seq_len,
-            rank=rank,
-            world_size=world_size,
-        )
-        step += 1
+    end = None if num_steps is None else start_step + num_steps
+    steps = itertools.count(start_step) if end is None else range(start_step, end)
+    for step in steps:
+        yield get_batch(data, step=step, **rows)

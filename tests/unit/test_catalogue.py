@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 
@@ -126,15 +125,18 @@ def test_padding_within_one_point_of_the_lower_bound(name):
                 assert pad <= 0.03, where
 
 
-def test_whole_model_at_16384_ranks_plans_in_under_a_second():
+def test_whole_model_at_16384_ranks_plans_every_group():
+    # Its plan time is a benchmark figure (benchmarks/planner.py), not asserted here.
     groups = model_groups("moe-2.4t", 128)
-    best = float("inf")
-    for _ in range(2):  # best of two cold runs: the machine may be busy
-        clear_plan_cache()
-        t0 = time.perf_counter()
-        plan_groups(groups, 16384)
-        best = min(best, time.perf_counter() - t0)
-    assert best < 1.0
+    clear_plan_cache()
+    plans = plan_groups(groups, 16384)
+    assert [p.name for p in plans] == [name for name, _, _ in groups]
+    for plan, (_, _, specs) in zip(plans, groups):
+        layout = plan.layout  # checked its own invariants when it was built
+        assert layout.world_size == 16384
+        assert {t.name for t in layout.tensors} == {s.name for s in specs}
+        assert layout.total_numel == sum(s.numel for s in specs)
+        assert 0 <= layout.lower_bound_padding <= layout.padding
 
 
 # --- JSON model files ----------------------------------------------------------------------

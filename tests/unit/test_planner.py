@@ -368,6 +368,7 @@ def test_layout_lookup_errors():
 def test_ragged_shard_placement_from_the_layout():
     pytest.importorskip("torch")
     from raggedfsdp.placement import RaggedShard  # the runtime's conversion; the planner has none
+
     specs = [TensorSpec(name="w", shape=(6, 4)), TensorSpec(name="e", shape=(2, 3, 4), stack=True)]
     layout = plan_buffer(specs, 3, dtype="float32", alignment_bytes=4)
     placement = RaggedShard.from_layout(layout, "e")

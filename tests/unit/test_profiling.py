@@ -5,7 +5,14 @@ import torch
 import torch.distributed as dist
 import torch.distributed.fsdp._fully_shard._fsdp_collectives  # noqa: F401  (fsdp.* ops)
 
-from raggedfsdp.profiling import CommCounter, CommStats, CopyCounter, storage_key
+from raggedfsdp.profiling import (
+    CommCounter,
+    CommStats,
+    CopyCounter,
+    measure_step,
+    peak_memory,
+    storage_key,
+)
 
 F32 = 4
 
@@ -155,3 +162,40 @@ def test_first_copy_into_a_reduce_scatter_output_is_the_backends(fake_pg):
         out.copy_(torch.ones(4))  # the caller's own
     assert [e.within for e in c.events] == ["c10d._reduce_scatter_base_.default", None]
     assert c.total_bytes() == 4 * F32
+
+
+# ---- measure_step, peak_memory ----------------------------------------------------------------
+def _linear_step():
+    model = torch.nn.Linear(8, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step() -> None:
+        model(torch.ones(2, 8)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+    return model, opt, step
+
+
+def test_peak_memory_counts_what_is_tracked_by_category():
+    model, opt, step = _linear_step()
+    peak = peak_memory(step, model, opt)
+    assert peak["PARAM"] == (8 * 4 + 4) * F32  # the weight and the bias, tracked from the start
+    assert peak["Total"] == sum(v for k, v in peak.items() if k != "Total") > peak["PARAM"]
+
+
+def test_measure_step_without_a_process_group():
+    model, _, step = _linear_step()
+    out = measure_step(model, step, backend=None)
+    assert "copied_bytes_fsdp" not in out  # no FSDP to attribute copies to
+    assert not any(k.endswith("_count") for k in out)  # no collective ran
+    assert out["copied_bytes_total"] == sum(b for _, b in out["copies_by_op"].values())
+    assert out["peak_memory_bytes"] > 0
+
+
+def test_measure_step_rejects_an_unknown_backend():
+    model, _, step = _linear_step()
+    with pytest.raises(
+        ValueError, match=r"backend must be 'raggedfsdp', 'fsdp2' or None, got 'ddp'"
+    ):
+        measure_step(model, step, backend="ddp")

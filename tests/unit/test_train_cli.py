@@ -50,3 +50,19 @@ def test_bad_arguments_fail_before_any_spawn(argv, match, capsys, tmp_path):
     err = capsys.readouterr().err
     assert re.search(match, err), err
     assert not (tmp_path / "out").exists()  # nothing written, nothing launched
+
+
+def test_a_missing_application_package_names_the_extra(monkeypatch, capsys, tmp_path):
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "tqdm" else find_spec(name, *a),
+    )
+    with pytest.raises(SystemExit) as exit_:
+        main(["--out", str(tmp_path / "out")])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert re.search(r"the progress bar needs tqdm.*raggedfsdp\[train\].*--no-progress", err), err

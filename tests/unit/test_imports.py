@@ -1,0 +1,64 @@
+"""Library and application apart: what ``import raggedfsdp...`` pulls in.
+
+The planner is pure Python (no torch); the library (placement, planner, DBuffer,
+fully_shard, optimizers, checkpoint) needs torch, numpy and safetensors alone. SciPy,
+matplotlib and tqdm belong to the application (``pip install raggedfsdp[train]``).
+Each check runs in a fresh interpreter, so what this test process imported does not count.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+
+APPLICATION_ONLY = ("scipy", "matplotlib", "tqdm")
+LIBRARY = ("raggedfsdp", "fsdp", "optim", "checkpoint", "placement", "planner", "dbuffer")
+
+
+def _imported(code: str) -> list[str]:
+    """Run ``code`` in a fresh interpreter; it prints a Python list of module names."""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return ast.literal_eval(done.stdout.strip().splitlines()[-1])
+
+
+def _import_library() -> str:
+    return "import raggedfsdp\n" + "".join(
+        f"import raggedfsdp.{name}\n" for name in LIBRARY if name != "raggedfsdp"
+    )
+
+
+def test_planner_imports_no_torch():
+    code = (
+        "import sys\nimport raggedfsdp.planner\n"
+        f"print([m for m in ('torch', *{APPLICATION_ONLY!r}) if m in sys.modules])"
+    )
+    assert _imported(code) == []
+
+
+def test_library_imports_nothing_of_the_application():
+    # torch itself imports tqdm when it is installed (torch.hub): count what the
+    # library adds to what torch, numpy and safetensors import.
+    code = (
+        "import sys\nimport numpy, safetensors, torch\nbefore = set(sys.modules)\n"
+        + _import_library()
+        + f"print([m for m in {APPLICATION_ONLY!r} if m in set(sys.modules) - before])"
+    )
+    assert _imported(code) == []
+
+
+def test_library_imports_without_the_application_packages():
+    # As if only torch, numpy and safetensors were installed: importing scipy,
+    # matplotlib or tqdm fails.
+    code = (
+        "import sys\n"
+        "class Absent:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        f"        if name.partition('.')[0] in {APPLICATION_ONLY!r}:\n"
+        "            raise ModuleNotFoundError(f'No module named {name!r}', name=name)\n"
+        "sys.meta_path.insert(0, Absent())\n"
+        + _import_library()
+        + f"print([m for m in {APPLICATION_ONLY!r} if m in sys.modules])"
+    )
+    assert _imported(code) == []
