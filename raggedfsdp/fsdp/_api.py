@@ -4,40 +4,53 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
+import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
+from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPolicy
+from torch.distributed.tensor import Shard
 
+from raggedfsdp.fsdp._buffers import buffer_of
 from raggedfsdp.fsdp._param_group import ParamGroup, ParamRef
 from raggedfsdp.fsdp._policy import BlockPolicy, BlockRows, MixedPrecisionPolicy
 from raggedfsdp.fsdp._state import FSDPState, resolve_reshard_after_forward, state_of
 from raggedfsdp.planner import DEFAULT_ALIGNMENT_BYTES
 
-__all__ = ["FSDPModule", "UnshardHandle", "fully_shard"]
+__all__ = ["FSDP2_SURFACE", "FSDPModule", "UnshardHandle", "fully_shard"]
 
 _NO_MIXED_PRECISION = MixedPrecisionPolicy()
+_NO_OFFLOAD = OffloadPolicy()
+# Set on a parameter fully_shard replaced: (module class, fqn) of the group that holds it.
+_MOVED_ATTR = "_raggedfsdp_moved_to"
 
 
 def fully_shard(
-    module: nn.Module,
+    module: nn.Module | list[nn.Module],
     *,
     mesh: DeviceMesh | None = None,
     reshard_after_forward: bool | int | None = None,
-    mp_policy: MixedPrecisionPolicy = _NO_MIXED_PRECISION,
-    block_policy: BlockPolicy | Callable[[str, nn.Parameter], BlockRows] | None = None,
+    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = None,
+    mp_policy: MixedPrecisionPolicy | TorchMixedPrecisionPolicy = _NO_MIXED_PRECISION,
+    offload_policy: OffloadPolicy = _NO_OFFLOAD,
     ignored_params: set[nn.Parameter] | None = None,
+    dp_mesh_dims=None,
+    block_policy: BlockPolicy | Callable[[str, nn.Parameter], BlockRows] | None = None,
     alignment_bytes: int = DEFAULT_ALIGNMENT_BYTES,
-) -> nn.Module:
+):
     """Shard ``module``'s parameters (those not already sharded by a nested call).
 
-    Same contract as ``torch.distributed.fsdp.fully_shard``: apply it to each
-    transformer block, then to the root; it mutates and returns ``module``, whose
-    class becomes a subclass of ``FSDPModule``. The group's parameters are planned
-    into one flat buffer (see ``raggedfsdp.planner``) and become ``nn.Parameter``s
-    holding ``RaggedShard`` DTensors over views of it.
+    Same contract as ``torch.distributed.fsdp.fully_shard`` (torch 2.13): apply it to
+    each transformer block, then to the root; it mutates and returns ``module``, whose
+    class becomes a subclass of ``FSDPModule`` (and of torch's ``FSDPModule``). The
+    group's parameters are planned into one flat buffer (see ``raggedfsdp.planner``)
+    and become ``nn.Parameter``s holding ``RaggedShard`` DTensors over views of it.
 
     Args:
-        module: the module to shard.
+        module: the module to shard, or a list of modules that form one group (they
+            unshard before the first of them runs forward, reshard after the last).
         mesh: a 1-D ``DeviceMesh``. Default: all ranks of the default process group.
         reshard_after_forward: free the unsharded parameters after forward (True),
             keep them until after backward (False), or keep them sharded over groups
@@ -45,24 +58,42 @@ def fully_shard(
             FSDP2, 1 means False, with a warning, and the mesh size means True).
             Default None, as in FSDP2: True, except for the root, whose parameters
             backward needs first (an explicit True reshards the root too).
-        mp_policy: mixed precision. Default: none.
+        shard_placement_fn: FSDP2's per-parameter placement: ``None`` or ``Shard(0)``
+            for a parameter is what RaggedShard does (dim-0 rows, whole blocks);
+            ``Shard(d)`` for ``d > 0`` is refused (NotImplementedError). Default None.
+        mp_policy: mixed precision, raggedfsdp's or torch's ``MixedPrecisionPolicy``.
+            Default: none.
+        offload_policy: torch's ``OffloadPolicy`` (none) or ``CPUOffloadPolicy``
+            (accepted where the parameters already live on the CPU; see the README).
+        ignored_params: parameters left as they are (not sharded, not reduced).
+        dp_mesh_dims: FSDP2's data-parallel mesh dims; only None (a 1-D mesh).
         block_policy: rows per block, a ``BlockPolicy`` or a callable of
             ``(fqn, param)`` returning a positive int or ``"whole"``. Default 1 row.
-        ignored_params: parameters left as they are (not sharded, not reduced).
         alignment_bytes: alignment of every shard start. Default 128 (see the planner).
 
     Returns:
-        ``module``, now an ``FSDPModule``.
+        ``module`` (or the list), now ``FSDPModule``s.
 
     Raises:
         ValueError: ``fully_shard`` twice on one module, a mesh that is not 1-D, a
-            block that does not divide a parameter's rows, a bad policy.
+            block that does not divide a parameter's rows, a bad policy, a
+            parameter shared with another group.
+        NotImplementedError: an option raggedfsdp does not support (named).
     """
-    if state_of(module) is not None:
+    modules = list(module) if isinstance(module, (list, tuple)) else [module]
+    if not modules or not all(isinstance(m, nn.Module) for m in modules):
         raise ValueError(
-            f"fully_shard: {type(module).__name__} was already passed to fully_shard; "
-            "call it once per module (bottom-up: blocks first, then the root)"
+            "fully_shard: module must be an nn.Module or a non-empty list of them, got "
+            f"{type(module).__name__}"
         )
+    for m in modules:
+        if state_of(m) is not None:
+            raise ValueError(
+                f"fully_shard: {type(m).__name__} was already passed to fully_shard; "
+                "call it once per module (bottom-up: blocks first, then the root)"
+            )
+    mp_policy = _mixed_precision(mp_policy)
+    _check_unsupported(modules, offload_policy, dp_mesh_dims)
     if mesh is None:
         if not dist.is_initialized():
             raise ValueError(
@@ -70,7 +101,8 @@ def fully_shard(
                 "call torch.distributed.init_process_group first"
             )
         device = next(
-            (p.device.type for p in module.parameters() if p.device.type != "meta"), "cpu"
+            (p.device.type for m in modules for p in m.parameters() if p.device.type != "meta"),
+            "cpu",
         )
         mesh = init_device_mesh(device, (dist.get_world_size(),))
     if mesh.ndim != 1:
@@ -78,33 +110,75 @@ def fully_shard(
             f"fully_shard: mesh must be 1-D, got a {mesh.ndim}-D mesh of shape "
             f"{tuple(mesh.shape)}; HSDP (a 2-D mesh) is not supported yet"
         )
-    if not isinstance(mp_policy, MixedPrecisionPolicy):
-        raise ValueError(
-            f"fully_shard: mp_policy must be a MixedPrecisionPolicy, got {type(mp_policy).__name__}"
-        )
-
     resolve_reshard_after_forward(reshard_after_forward, mesh.size(0))  # raises on bad input
-    refs, originals = _collect_params(module, set(ignored_params or ()))
+    refs, originals = _collect_params(modules, set(ignored_params or ()))
+    if shard_placement_fn is not None:
+        for ref, p in zip(refs, originals):
+            _check_placement(ref.fqn, shard_placement_fn(p))
+    name = type(modules[0]).__name__ + (f" and {len(modules) - 1} more" if len(modules) > 1 else "")
     group = (
-        ParamGroup(
-            refs,
-            originals,
-            mesh,
-            mp_policy,
-            block_policy,
-            alignment_bytes,
-            name=type(module).__name__,
-        )
+        ParamGroup(refs, originals, mesh, mp_policy, block_policy, alignment_bytes, name=name)
         if refs
         else None
     )
-    FSDPState(module, group, mesh, mp_policy, reshard_after_forward)
-    cls = module.__class__
-    module.__class__ = _fsdp_class(cls)
+    for ref, p in zip(refs, originals):
+        setattr(p, _MOVED_ATTR, (name, ref.fqn))
+    FSDPState(modules, group, mesh, mp_policy, reshard_after_forward)
+    for m in modules:
+        m.__class__ = _fsdp_class(m.__class__)
     return module
 
 
-def _collect_params(module: nn.Module, ignored: set) -> tuple[list[ParamRef], list[nn.Parameter]]:
+def _mixed_precision(policy) -> MixedPrecisionPolicy:
+    if isinstance(policy, MixedPrecisionPolicy):
+        return policy
+    if isinstance(policy, TorchMixedPrecisionPolicy):
+        return MixedPrecisionPolicy(
+            param_dtype=policy.param_dtype,
+            reduce_dtype=policy.reduce_dtype,
+            output_dtype=policy.output_dtype,
+            cast_forward_inputs=policy.cast_forward_inputs,
+        )
+    raise ValueError(
+        "fully_shard: mp_policy must be a MixedPrecisionPolicy (raggedfsdp's or "
+        f"torch.distributed.fsdp's), got {type(policy).__name__}"
+    )
+
+
+def _check_unsupported(modules, offload_policy, dp_mesh_dims) -> None:
+    if not isinstance(offload_policy, OffloadPolicy):
+        raise ValueError(
+            "fully_shard: offload_policy must be a torch.distributed.fsdp.OffloadPolicy or "
+            f"CPUOffloadPolicy, got {type(offload_policy).__name__}"
+        )
+    if isinstance(offload_policy, CPUOffloadPolicy):
+        on = {p.device.type for m in modules for p in m.parameters()} - {"cpu", "meta"}
+        if on:
+            raise NotImplementedError(
+                f"fully_shard: CPUOffloadPolicy with parameters on {sorted(on)}: offloading "
+                "accelerator parameters is not implemented; the parameters already on the CPU "
+                "need no offload (move the model to the CPU, or drop the policy)"
+            )
+    if dp_mesh_dims is not None:
+        raise NotImplementedError(
+            "fully_shard: dp_mesh_dims is not supported: raggedfsdp shards over a 1-D mesh; "
+            "pass mesh=the data-parallel mesh dim instead"
+        )
+
+
+def _check_placement(fqn: str, placement) -> None:
+    if placement is None or (isinstance(placement, Shard) and placement.dim == 0):
+        return
+    raise NotImplementedError(
+        f"fully_shard: shard_placement_fn gives parameter {fqn!r} {placement!r}; RaggedShard "
+        "cuts dim 0 (whole rows, in blocks of block_policy rows): return None or Shard(0), "
+        "and use block_policy for the granularity"
+    )
+
+
+def _collect_params(
+    modules: list[nn.Module], ignored: set
+) -> tuple[list[ParamRef], list[nn.Parameter]]:
     """The parameters this call manages: not ignored, not inside a nested fully_shard."""
     refs: dict[int, ParamRef] = {}
     originals: dict[int, nn.Parameter] = {}
@@ -117,6 +191,14 @@ def _collect_params(module: nn.Module, ignored: set) -> tuple[list[ParamRef], li
         for name, p in mod._parameters.items():
             if p is None or p in ignored:
                 continue
+            moved = getattr(p, _MOVED_ATTR, None) or _sharded_by(p)
+            if moved is not None:
+                raise ValueError(
+                    f"fully_shard: parameter {prefix + name!r} is also {moved[1]!r} of "
+                    f"{moved[0]}, which another fully_shard call already sharded; a parameter "
+                    "shared by two groups would become two copies that drift apart: "
+                    "fully_shard the modules' common parent instead of each of them"
+                )
             if id(p) in refs:
                 refs[id(p)].uses.append((mod, name))  # tied: one parameter, several places
             else:
@@ -131,7 +213,8 @@ def _collect_params(module: nn.Module, ignored: set) -> tuple[list[ParamRef], li
             if child is not None:
                 visit(child, f"{prefix}{child_name}.", False)
 
-    visit(module, "", True)
+    for i, module in enumerate(modules):
+        visit(module, "" if len(modules) == 1 else f"{i}.", True)
     crossing = [refs[i].fqn for i in refs if i in managed_elsewhere]
     if crossing:
         raise NotImplementedError(
@@ -139,6 +222,11 @@ def _collect_params(module: nn.Module, ignored: set) -> tuple[list[ParamRef], li
             "fully_shard; tied parameters must be in one group: fully_shard their common parent"
         )
     return list(refs.values()), list(originals.values())
+
+
+def _sharded_by(p) -> tuple[str, str] | None:
+    found = buffer_of(p)
+    return None if found is None else (found[0]._group.name, found[1].fqn)
 
 
 class UnshardHandle:
@@ -153,16 +241,33 @@ class UnshardHandle:
             self._group = None
 
 
-class FSDPModule:
-    """Mixed into the class of every module passed to ``fully_shard`` (as in FSDP2)."""
+class FSDPModule(TorchFSDPModule):
+    """Mixed into the class of every module passed to ``fully_shard`` (as in FSDP2).
+
+    A subclass of torch's ``FSDPModule``, so ``isinstance(m, torch.distributed.fsdp.
+    FSDPModule)`` holds and torch's helpers that branch on it (torchtitan's gradient
+    divide factor, ``register_fsdp_forward_method``, pipelining) treat raggedfsdp's
+    modules as FSDP2's. Every public method of torch 2.13's ``FSDPModule`` is
+    overridden here: implemented, or refused with ``NotImplementedError`` saying why
+    (``FSDP2_SURFACE`` lists which).
+    """
+
+    # torch's __new__ finds the original class at this MRO index:
+    # [FSDP<Orig>, raggedfsdp FSDPModule, torch FSDPModule, Orig, ...]
+    _orig_cls_mro_index = 3
+
+    def _get_fsdp_state(self) -> FSDPState:
+        """The module's state (what torch's ``register_fsdp_forward_method`` calls)."""
+        return _checked_state(self)
 
     def _fsdp_states(self, recurse: bool) -> list[FSDPState]:
         mods = self.modules() if recurse else [self]
-        return [s for m in mods if (s := state_of(m)) is not None]
+        return list(dict.fromkeys(s for m in mods if (s := state_of(m)) is not None))
 
+    # ---- unshard / reshard ----------------------------------------------------------------
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:
         """All-gather this module's parameters now (``async_op``: return a handle)."""
-        group = state_of(self).group
+        group = _checked_state(self).group
         if group is not None:
             group.unshard(async_op=True)
         handle = UnshardHandle(group)
@@ -173,10 +278,22 @@ class FSDPModule:
 
     def reshard(self) -> None:
         """Free this module's unsharded parameters."""
-        group = state_of(self).group
+        group = _checked_state(self).group
         if group is not None:
             group.reshard()
 
+    def reset_iter_state(self) -> None:
+        """After an exception aborted a forward or backward: reshard every group, drop
+        collectives in flight and the gradients of the failed iteration (root only)."""
+        state = _checked_state(self)
+        if state.is_root is False:
+            raise RuntimeError(
+                "reset_iter_state: call it on the root module (the module fully_shard was "
+                f"applied to last), not on {type(self).__name__}"
+            )
+        state.reset_iter_state()
+
+    # ---- gradient reduction ---------------------------------------------------------------
     def set_requires_gradient_sync(
         self, requires_gradient_sync: bool, *, recurse: bool = True
     ) -> None:
@@ -184,6 +301,75 @@ class FSDPModule:
         for s in self._fsdp_states(recurse):
             s.set_requires_gradient_sync(requires_gradient_sync)
 
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        """HSDP's all-reduce over the replicate dim; a 1-D mesh has none, so it is kept only."""
+        for s in self._fsdp_states(recurse):
+            s.requires_all_reduce = bool(requires_all_reduce)
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Sum gradients and divide by ``factor`` instead of averaging over ranks."""
+        if not factor > 0:
+            raise ValueError(f"set_gradient_divide_factor: factor must be > 0, got {factor}")
+        for s in self._fsdp_states(True):
+            s.set_gradient_divide_factor(factor)
+
+    def set_reduce_scatter_divide_factor(self, factor: float) -> None:
+        """Deprecated in FSDP2: ``set_gradient_divide_factor``."""
+        self.set_gradient_divide_factor(factor)
+
+    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
+        """Reduce with ``SUM`` only, dividing by the world size after (not ``AVG``)."""
+        for s in self._fsdp_states(True):
+            if s.group is not None:
+                s.group.force_sum_reduction = bool(enable)
+
+    def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *, stream=None) -> None:
+        """Call ``hook(reduce_output)`` on each reduce-scatter output (1-D, S elements)
+        before the sharded gradients are set, as FSDP2 without HSDP."""
+        if stream is not None:
+            raise NotImplementedError(
+                "set_all_reduce_hook: stream= is not supported: the hook runs on the stream "
+                "that finishes the reduce-scatter (the current one)"
+            )
+        for s in self._fsdp_states(False):
+            if s.group is not None:
+                s.group.all_reduce_hook = hook
+
+    def set_reduce_scatter_unused_params(
+        self, reduce_scatter_unused_params: bool, *, recurse: bool = True
+    ) -> None:
+        """Always on: each group reduce-scatters its whole buffer, unused parameters'
+        zeros included, so ranks that used different parameters never mismatch."""
+        if not isinstance(reduce_scatter_unused_params, bool):
+            raise ValueError(
+                "set_reduce_scatter_unused_params: expected a bool, got "
+                f"{type(reduce_scatter_unused_params).__name__}"
+            )
+
+    def set_reduce_scatter_max_input_buffers(
+        self, max_input_buffers: int, *, recurse: bool = True
+    ) -> None:
+        """How many reduce-scatters may be in flight at once in a backward (default 1)."""
+        if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int):
+            raise ValueError(
+                f"set_reduce_scatter_max_input_buffers: expected an int >= 1, got "
+                f"{max_input_buffers!r}"
+            )
+        if max_input_buffers < 1:
+            raise ValueError(
+                f"set_reduce_scatter_max_input_buffers: expected an int >= 1, got "
+                f"{max_input_buffers}"
+            )
+        for s in self._fsdp_states(recurse):
+            s.max_reduces_in_flight = max_input_buffers
+
+    def set_separate_reduce_scatter_group(self, enable: bool = True, *, recurse: bool = True):
+        """Run reduce-scatters on their own process group (over the same ranks)."""
+        for s in self._fsdp_states(recurse):
+            if s.group is not None:
+                s.group.use_separate_reduce_scatter_group(bool(enable))
+
+    # ---- resharding and prefetch ----------------------------------------------------------
     def set_reshard_after_backward(
         self, reshard_after_backward: bool, *, recurse: bool = True
     ) -> None:
@@ -201,31 +387,112 @@ class FSDPModule:
         for s in self._fsdp_states(recurse):
             s.set_reshard_after_forward(reshard_after_forward)
 
+    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
+        """False: backward needs only the gradients of this module's parameters, not the
+        parameters (an embedding), so they are not all-gathered again."""
+        _checked_state(self).unshard_in_backward = bool(unshard_in_backward)
+
     def set_modules_to_forward_prefetch(self, modules: Iterable[FSDPModule]) -> None:
         """All-gather these modules' parameters at the start of this module's forward."""
-        state_of(self).set_prefetch(forward=[_checked_state(m) for m in modules])
+        _checked_state(self).set_prefetch(forward=[_checked_state(m) for m in modules])
 
     def set_modules_to_backward_prefetch(self, modules: Iterable[FSDPModule]) -> None:
         """All-gather these modules' parameters at the start of this module's backward."""
-        state_of(self).set_prefetch(backward=[_checked_state(m) for m in modules])
+        _checked_state(self).set_prefetch(backward=[_checked_state(m) for m in modules])
 
-    def set_gradient_divide_factor(self, factor: float) -> None:
-        """Sum gradients and divide by ``factor`` instead of averaging over ranks."""
-        if not factor > 0:
-            raise ValueError(f"set_gradient_divide_factor: factor must be > 0, got {factor}")
-        for s in self._fsdp_states(True):
-            s.set_gradient_divide_factor(factor)
+    def set_post_optim_event(self, event: torch.Event) -> None:
+        """The next all-gathers wait on ``event`` (recorded after the optimizer step)
+        instead of the whole current stream; on the CPU there are no streams."""
+        _checked_state(self).post_optim_event = event
+
+    # ---- refused: what raggedfsdp's buffers cannot honour ---------------------------------
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        if not is_last_backward:
+            raise NotImplementedError(
+                "set_is_last_backward(False): raggedfsdp finishes every reduce-scatter at the "
+                "end of each backward (the sharded .grads are views of the shard gradient "
+                "storage, set then); leave it True"
+            )
+
+    def set_custom_all_gather(self, comm) -> None:
+        raise NotImplementedError(
+            "set_custom_all_gather: raggedfsdp's all-gather writes the planner's buffer layout "
+            "in place (no copy-in / copy-out); a custom all-gather would have to write that "
+            "layout; not supported"
+        )
+
+    def set_custom_reduce_scatter(self, comm) -> None:
+        raise NotImplementedError(
+            "set_custom_reduce_scatter: raggedfsdp reduce-scatters the flat gradient buffer "
+            "into the shard gradient storage in place; a custom reduce-scatter would have to "
+            "honour that layout; not supported"
+        )
+
+    def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
+        if enable:
+            raise NotImplementedError(
+                "set_allocate_memory_from_process_group_for_comm: the collectives' buffers "
+                "are the DBuffer's own storages (parameters are views of them), not staging "
+                "buffers a process group could allocate; not supported"
+            )
+
+    def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
+        raise NotImplementedError(
+            "set_symm_mem_for_comm: symmetric-memory collectives need buffers allocated by "
+            "the symmetric-memory allocator; raggedfsdp's DBuffer storages are not; not "
+            "supported"
+        )
+
+    def _set_unshard_async_op(self, async_op: bool) -> None:
+        """FSDP2's private knob (torchtitan sets it): forward all-gathers here are always
+        issued asynchronously and waited where the module needs its parameters."""
 
     def _apply(self, fn, recurse: bool = True):
-        out = super()._apply(fn, recurse)  # type: ignore[misc]
+        for s in self._fsdp_states(True):
+            if s.group is not None:
+                s.group.reshard()  # the sharded parameters are what _apply sees
+        # nn.Module's _apply, skipping torch's FSDPModule._apply (it reads FSDP2's state)
+        out = super(TorchFSDPModule, self)._apply(fn, recurse)  # type: ignore[misc]
         for s in self._fsdp_states(True):
             if s.group is not None:
                 s.group.reset_after_apply()
         return out
 
 
+# How raggedfsdp answers each public method of torch 2.13's FSDPModule (tests check that
+# this covers them all, and README's feature table is this).
+FSDP2_SURFACE: dict[str, str] = {
+    "reset_iter_state": "supported",
+    "reshard": "supported",
+    "unshard": "supported",
+    "set_all_reduce_hook": "supported (stream= refused)",
+    "set_force_sum_reduction_for_comms": "supported",
+    "set_gradient_divide_factor": "supported",
+    "set_reduce_scatter_divide_factor": "supported (deprecated alias, as in FSDP2)",
+    "set_modules_to_backward_prefetch": "supported",
+    "set_modules_to_forward_prefetch": "supported",
+    "set_post_optim_event": "supported (no-op on the CPU)",
+    "set_reduce_scatter_max_input_buffers": "supported",
+    "set_reduce_scatter_unused_params": "supported (always on: whole buffers are reduced)",
+    "set_requires_all_reduce": "supported (no all-reduce on a 1-D mesh)",
+    "set_requires_gradient_sync": "supported",
+    "set_reshard_after_backward": "supported",
+    "set_reshard_after_forward": "supported",
+    "set_separate_reduce_scatter_group": "supported",
+    "set_unshard_in_backward": "supported",
+    "set_is_last_backward": "refused for False: every backward finishes its reductions",
+    "set_custom_all_gather": "refused: the all-gather writes the buffer layout in place",
+    "set_custom_reduce_scatter": "refused: the reduce-scatter writes the shard grads in place",
+    "set_allocate_memory_from_process_group_for_comm": "refused: the buffers are the storages",
+    "set_symm_mem_for_comm": "refused: the storages are not symmetric memory",
+    "_set_unshard_async_op": "supported (private in FSDP2; gathers are always asynchronous)",
+    "_get_fsdp_state": "supported (raggedfsdp's state, for register_fsdp_forward_method)",
+    "_apply": "supported (to_empty, to, float: the buffers are rebuilt)",
+}
+
+
 def _checked_state(module) -> FSDPState:
-    state = state_of(module)
+    state = state_of(module)  # a module passed to fully_shard
     if state is None:
         raise ValueError(f"expected a module passed to fully_shard, got {type(module).__name__}")
     return state

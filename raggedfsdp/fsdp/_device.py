@@ -50,6 +50,13 @@ class DeviceStreams:
         self.all_gather = torch.Stream(device=device) if self.accelerated else None
         self.reduce_scatter = torch.Stream(device=device) if self.accelerated else None
         self._last_reshard: torch.Event | None = None  # compute-stream event of the last free
+        self._post_optim: torch.Event | None = None  # set_post_optim_event's, used once
+
+    def wait_event(self, event: torch.Event) -> None:
+        """The next gather waits on ``event`` instead of the whole compute stream
+        (``FSDPModule.set_post_optim_event``)."""
+        if self.accelerated:
+            self._post_optim = event
 
     def _record(self) -> torch.Event | None:
         if not self.accelerated:
@@ -64,7 +71,7 @@ class DeviceStreams:
         if not self.accelerated:
             yield
             return
-        ready = self._record()
+        ready, self._post_optim = self._post_optim or self._record(), None
         self.all_gather.wait_event(ready)
         if self._last_reshard is not None:
             self.all_gather.wait_event(self._last_reshard)

@@ -172,6 +172,9 @@ class ParamGroup:
         self._reduce: PendingReduce | None = None
         self.requires_gradient_sync = True
         self.gradient_divide_factor: float | None = None
+        self.force_sum_reduction = False  # SUM, then divide (set_force_sum_reduction_for_comms)
+        self.all_reduce_hook = None  # called on the reduce-scatter output (set_all_reduce_hook)
+        self.reduce_process_group = self.process_group  # or its own (separate RS group)
 
     def _expect(self, action: str, *states: ShardedState) -> None:
         if self.state not in states:
@@ -299,9 +302,15 @@ class ParamGroup:
         if self._reduce is None and all(ref.sharded.grad is None for ref in self.refs):
             self.dbuf.shard_grads.free()
 
-    def prepare_grads(self) -> None:
-        """Point every unsharded ``.grad`` at the flat global gradient storage (pre-backward)."""
-        self._expect("prepare_grads (pre-backward)", ShardedState.UNSHARDED)
+    def prepare_grads(self, unsharded: bool = True) -> None:
+        """Point every unsharded ``.grad`` at the flat global gradient storage (pre-backward).
+
+        Args:
+            unsharded: the parameters were unsharded for backward (False after
+                ``set_unshard_in_backward(False)``: backward needs only their gradients).
+        """
+        if unsharded:
+            self._expect("prepare_grads (pre-backward)", ShardedState.UNSHARDED)
         self.needs_post_backward = True
         # A module called twice in forward whose first call's inputs need no gradient
         # reduces after its last call's backward, and may then run backward again:
@@ -337,7 +346,8 @@ class ParamGroup:
         # The reduce-scatter writes every element (padding too) on the direct path;
         # otherwise only parameters' parts are written: start from zeros.
         self.dbuf.shard_grads.alloc(zero=not direct)
-        op = dist.ReduceOp.AVG if self.gradient_divide_factor is None else dist.ReduceOp.SUM
+        avg = self.gradient_divide_factor is None and not self.force_sum_reduction
+        op = dist.ReduceOp.AVG if avg else dist.ReduceOp.SUM
         with self.streams.reducing():  # see [Note: streams]
             output = (
                 self.dbuf.shard_grad
@@ -345,7 +355,7 @@ class ParamGroup:
                 else self.dbuf.shard_grad.new_empty(self.layout.shard_size, dtype=self.reduce_dtype)
             )
             work, inp = self.dbuf.reduce_scatter_grads(
-                output, self.process_group, op, self.reduce_dtype, async_op=True
+                output, self.reduce_process_group, op, self.reduce_dtype, async_op=True
             )
         self._reduce = PendingReduce(
             work, output, direct, inp, earlier.output if earlier is not None else None
@@ -353,7 +363,37 @@ class ParamGroup:
 
     @property
     def reduce_pending(self) -> bool:
+        """A reduce-scatter was started and its gradients are not yet set."""
         return self._reduce is not None
+
+    @property
+    def reduce_in_flight(self) -> bool:
+        """A reduce-scatter was started and not yet waited."""
+        return self._reduce is not None and self._reduce.work is not None
+
+    def use_separate_reduce_scatter_group(self, enable: bool) -> None:
+        """Reduce-scatter over a process group of its own (the same ranks), or the shared one."""
+        if enable and self.reduce_process_group is self.process_group:
+            ranks = dist.get_process_group_ranks(self.process_group)
+            self.reduce_process_group = dist.new_group(ranks)
+        elif not enable:
+            self.reduce_process_group = self.process_group
+
+    def reset_iter_state(self) -> None:
+        """Drop the iteration: wait for collectives in flight, discard their results and the
+        unsharded gradients, reshard."""
+        if self._gather is not None:
+            self.wait_for_unshard()
+        if self._reduce is not None and self._reduce.work is not None:
+            self._reduce.work.wait()
+        self._reduce = None
+        self.needs_post_backward = False
+        for ref in self.refs:
+            ref.got_grad = False
+            if ref.unsharded is not None:
+                ref.unsharded.grad = None
+        self.dbuf.global_grads.free()
+        self.reshard()
 
     def wait_reduce(self) -> None:
         """Wait for the reduce-scatter and free the unsharded gradients (the whole buffer)."""
@@ -378,6 +418,10 @@ class ParamGroup:
             output.add_(earlier)
         if self.gradient_divide_factor is not None:
             output.div_(self.gradient_divide_factor)
+        elif self.force_sum_reduction:
+            output.div_(self.world)
+        if self.all_reduce_hook is not None:
+            self.all_reduce_hook(output)
         if not direct and all(ref.sharded.grad is None for ref in self.refs):
             # only a dtype differs (reduce_dtype != param dtype): one cast of the buffer
             self.dbuf.shard_grad.copy_(output)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import enum
 import warnings
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
@@ -63,15 +64,19 @@ class TrainingState(enum.Enum):
 
 
 class FSDPState:
+    """The hooks and settings of one ``fully_shard`` call (one module, or a list of modules
+    forming one group: the group unshards before the first of them runs forward and
+    reshards after the last)."""
+
     def __init__(
         self,
-        module: nn.Module,
+        modules: Sequence[nn.Module],
         group: ParamGroup | None,
         mesh,
         mp_policy: MixedPrecisionPolicy,
         reshard_after_forward: bool | int | None,
     ):
-        self.module = module
+        self.modules = tuple(modules)
         self.group = group
         self.mesh = mesh
         self.mp_policy = mp_policy
@@ -83,14 +88,21 @@ class FSDPState:
         self.forward_prefetch: list[FSDPState] | None = None  # explicit, else recorded order
         self.backward_prefetch: list[FSDPState] | None = None
         self._pending_post_backward = 0
+        self._forward_pending: set[int] = set()  # ids of this group's modules yet to run
+        self.unshard_in_backward = True
+        self.requires_all_reduce = True  # HSDP's; kept for set_requires_all_reduce
+        self.max_reduces_in_flight = 1
+        self.post_optim_event = None  # set_post_optim_event: the next gathers wait on it
         # root only
         self._states: list[FSDPState] = []
         self._forward_order: list[FSDPState] = []
         self._recording = True
         self._callback_queued = False
-        module.__dict__[_STATE_ATTR] = self
-        module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
-        module.register_forward_hook(self._post_forward, with_kwargs=True)
+        self._reduce_order: list[FSDPState] = []  # groups in the order they started reducing
+        for module in self.modules:
+            module.__dict__[_STATE_ATTR] = self
+            module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
+            module.register_forward_hook(self._post_forward, with_kwargs=True)
 
     # ---- settings (FSDPModule's set_* methods call these) ---------------------------------
     def set_reshard_after_forward(self, value: bool | int | None) -> None:
@@ -134,7 +146,8 @@ class FSDPState:
     def _lazy_init(self) -> None:
         self.is_root = True
         self.root = self
-        self._states = [s for m in self.module.modules() if (s := state_of(m)) is not None]
+        states = (state_of(m) for top in self.modules for m in top.modules())
+        self._states = list(dict.fromkeys(s for s in states if s is not None))
         for s in self._states:
             if s is not self:
                 if s.is_root:
@@ -154,6 +167,16 @@ class FSDPState:
 
     # ---- forward --------------------------------------------------------------------------
     def _pre_forward(self, module, args, kwargs):
+        if not self._forward_pending:  # the first of the group's modules: unshard
+            self._group_pre_forward()
+            self._forward_pending = {id(m) for m in self.modules}
+        if self.mp_policy.cast_forward_inputs and self.mp_policy.param_dtype is not None:
+            args, kwargs = _cast_floats((args, kwargs), self.mp_policy.param_dtype)
+        if torch.is_grad_enabled():
+            args, kwargs = self._register_post_backward(args, kwargs)
+        return args, kwargs
+
+    def _group_pre_forward(self) -> None:
         if self.is_root is None:
             self._lazy_init()
         root = self.root
@@ -162,30 +185,36 @@ class FSDPState:
         elif self.is_root:
             root._recording = False
         self.training_state = TrainingState.FORWARD
-        if self.mp_policy.cast_forward_inputs and self.mp_policy.param_dtype is not None:
-            args, kwargs = _cast_floats((args, kwargs), self.mp_policy.param_dtype)
         if self.group is not None:
             self.group.release_dropped_grads()
+            if self.root.post_optim_event is not None:
+                self.group.streams.wait_event(self.root.post_optim_event)
+                self.root.post_optim_event = None
             self.group.unshard()
             self.group.wait_for_unshard()
         for nxt in self._prefetch_targets(forward=True):
             nxt.group.unshard(async_op=True)
-        if torch.is_grad_enabled():
-            args, kwargs = self._register_post_backward(args, kwargs)
-        return args, kwargs
 
-    def _post_forward(self, module, args, kwargs, output):
+    def _post_forward(self, module, args, *kwargs_and_output):
+        """Forward hook ``(module, args, kwargs, output)``; torch's
+        ``register_fsdp_forward_method`` calls it as ``(module, args, output)``."""
+        output = kwargs_and_output[-1]
+        self._forward_pending.discard(id(module))
+        if not self._forward_pending:  # the last of the group's modules: reshard
+            self._group_post_forward()
+        if torch.is_grad_enabled():
+            output = self._register_pre_backward(output)
+        if self.mp_policy.output_dtype is not None:
+            output = _cast_floats(output, self.mp_policy.output_dtype)
+        return output
+
+    def _group_post_forward(self) -> None:
         if self.group is not None:
             if not torch.is_grad_enabled():  # no backward will need them (eval, validation)
                 self.group.reshard()
             elif self.reshard_after_forward and not (self.is_root and self._auto_reshard):
                 self.group.reshard(post_forward=True)
-        if torch.is_grad_enabled():
-            output = self._register_pre_backward(output)
-        if self.mp_policy.output_dtype is not None:
-            output = _cast_floats(output, self.mp_policy.output_dtype)
         self.training_state = TrainingState.IDLE
-        return output
 
     def _prefetch_targets(self, forward: bool) -> list[FSDPState]:
         explicit = self.forward_prefetch if forward else self.backward_prefetch
@@ -216,9 +245,10 @@ class FSDPState:
         if self.training_state is not TrainingState.PRE_BACKWARD:
             self.training_state = TrainingState.PRE_BACKWARD
             if self.group is not None:
-                self.group.unshard()
-                self.group.wait_for_unshard()
-                self.group.prepare_grads()
+                if self.unshard_in_backward:
+                    self.group.unshard()
+                    self.group.wait_for_unshard()
+                self.group.prepare_grads(unsharded=self.unshard_in_backward)
             for prev in self._prefetch_targets(forward=False):
                 prev.group.unshard(async_op=True)
         return grad
@@ -239,15 +269,17 @@ class FSDPState:
         if self._pending_post_backward == 0 and self.group is not None:
             if self.group.needs_post_backward:
                 self.training_state = TrainingState.POST_BACKWARD
-                self.root._wait_earlier_reduces()
+                self.root._wait_earlier_reduces(self)
                 self.group.post_backward(reshard=self.reshard_after_backward)
+                self.root._reduce_order.append(self)
 
-    def _wait_earlier_reduces(self) -> None:
-        """Keep one reduce-scatter in flight: finish the earlier ones and free their
-        unsharded gradients, so a backward never holds every group's at once."""
-        for s in self._states:
-            if s.group is not None:
-                s.group.wait_reduce()
+    def _wait_earlier_reduces(self, starting: FSDPState) -> None:
+        """Keep at most ``max_reduces_in_flight`` (of the group about to reduce) reduce-
+        scatters in flight: finish the oldest and free their unsharded gradients, so a
+        backward never holds every group's at once."""
+        in_flight = [s.group for s in self._reduce_order if s.group.reduce_in_flight]
+        for group in in_flight[: max(0, len(in_flight) - starting.max_reduces_in_flight + 1)]:
+            group.wait_reduce()
 
     def _final_callback(self) -> None:
         """End of backward (root only): reduce the rest, wait, set the sharded grads."""
@@ -272,6 +304,19 @@ class FSDPState:
                 g.finalize_grads(flags[:n])
                 flags = flags[n:]
         self._callback_queued = False
+        self._reduce_order = []
+
+    def reset_iter_state(self) -> None:
+        """Root: after an exception mid-iteration, reshard everything, drop collectives in
+        flight (waited, their results discarded) and the iteration's gradients."""
+        for s in self._states:
+            s._pending_post_backward = 0
+            s._forward_pending = set()
+            s.training_state = TrainingState.IDLE
+            if s.group is not None:
+                s.group.reset_iter_state()
+        self._callback_queued = False
+        self._reduce_order = []
 
 
 class _PostBackward(torch.autograd.Function):
