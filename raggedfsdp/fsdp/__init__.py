@@ -4,12 +4,13 @@
 (optimizers, profiling, tools): see ``raggedfsdp.fsdp._buffers``.
 """
 
-from raggedfsdp.fsdp._api import FSDPModule, UnshardHandle, fully_shard
+from raggedfsdp.fsdp._api import FSDP2_SURFACE, FSDPModule, UnshardHandle, fully_shard
 from raggedfsdp.fsdp._buffers import BufferView, ParamSlice, buffer_of, buffers_of
 from raggedfsdp.fsdp._group_ops import clip_grad_norm_
 from raggedfsdp.fsdp._policy import BlockPolicy, MixedPrecisionPolicy
 
 __all__ = [
+    "FSDP2_SURFACE",
     "BlockPolicy",
     "BufferView",
     "FSDPModule",

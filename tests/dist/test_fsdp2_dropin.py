@@ -1,0 +1,225 @@
+"""raggedfsdp as a drop-in for FSDP2 (torch 2.13): torch's policy classes, a list of
+modules as one group, ``isinstance`` of torch's ``FSDPModule`` and the helpers that
+branch on it, the rest of ``FSDPModule``'s methods, against torch's FSDP2 with the same
+calls on 2 gloo ranks; and the surface itself, by introspection."""
+
+from __future__ import annotations
+
+import inspect
+from functools import partial
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.fsdp as torch_fsdp
+from torch import nn
+from torch.distributed.tensor import DTensor, Shard, init_device_mesh
+
+import raggedfsdp
+from raggedfsdp.fsdp import FSDP2_SURFACE
+from raggedfsdp.models import get_config
+from raggedfsdp.models.transformer import Transformer, lm_loss
+from tests.harness import run_cases, spawn
+
+SEQ, STEPS = 16, 3
+
+
+# ---- the surface, by introspection (no process group) --------------------------------------
+def _public_and_overridden(cls) -> set[str]:
+    return {n for n in vars(cls) if not n.startswith("__") and callable(getattr(cls, n))}
+
+
+def test_every_fsdp2_method_is_answered():
+    theirs = _public_and_overridden(torch_fsdp.FSDPModule)
+    ours = vars(raggedfsdp.FSDPModule)
+    missing = sorted(n for n in theirs if n not in ours)
+    assert not missing, f"torch's FSDPModule methods raggedfsdp does not override: {missing}"
+    unlisted = sorted(theirs - set(FSDP2_SURFACE))
+    assert not unlisted, f"FSDPModule methods missing from FSDP2_SURFACE: {unlisted}"
+    assert issubclass(raggedfsdp.FSDPModule, torch_fsdp.FSDPModule)
+
+
+def test_every_fully_shard_parameter_is_accepted():
+    theirs = inspect.signature(torch_fsdp.fully_shard).parameters
+    ours = inspect.signature(raggedfsdp.fully_shard).parameters
+    missing = sorted(n for n in theirs if n not in ours)
+    assert not missing, f"fully_shard parameters of FSDP2 that raggedfsdp lacks: {missing}"
+
+
+REFUSED_CALLS = {
+    "set_is_last_backward": (False,),
+    "set_custom_all_gather": (object(),),
+    "set_custom_reduce_scatter": (object(),),
+    "set_allocate_memory_from_process_group_for_comm": (True,),
+    "set_symm_mem_for_comm": (),
+}
+
+
+def test_refused_methods_say_why():
+    refused = {n for n, how in FSDP2_SURFACE.items() if how.startswith("refused")}
+    assert refused == set(REFUSED_CALLS)
+    for name, args in REFUSED_CALLS.items():
+        with pytest.raises(NotImplementedError, match=name):
+            getattr(raggedfsdp.FSDPModule, name)(object(), *args)
+
+
+# ---- against FSDP2 on 2 ranks ---------------------------------------------------------------
+def _model():
+    return Transformer(get_config("llama-tiny"), max_seq_len=SEQ, seed=0)
+
+
+def _shard(fully_shard, model, mesh, *, head_group=False, **kw):
+    for block in model.transformer_blocks():
+        fully_shard(block, mesh=mesh, **kw)
+    if head_group:  # torchtitan's: the final norm and the output projection, one group
+        fully_shard([model.norm, model.output], mesh=mesh, **kw)
+    fully_shard(model, mesh=mesh, **kw)
+    return model
+
+
+def _batches(rank, world):
+    gen = torch.Generator().manual_seed(7)
+    data = torch.randint(0, 1001, (STEPS, 2 * world, SEQ + 1), generator=gen)
+    return [d[2 * rank : 2 * rank + 2] for d in data]
+
+
+def _train(model, rank, world, *, setup=lambda m: None, clip=None):
+    setup(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    losses = []
+    for x in _batches(rank, world):
+        loss = lm_loss(model(x[:, :-1]), x[:, 1:])
+        loss.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        opt.zero_grad()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        losses.append(total.item() / world)
+    return losses, {k: v.full_tensor() for k, v in model.named_parameters()}
+
+
+def _against_fsdp2(rank, world, *, shard_kw=None, setup=lambda m: None, tol=1e-6, clip=None):
+    mesh = init_device_mesh("cpu", (world,))
+    shard_kw = shard_kw or {}
+    ref = _train(
+        _shard(torch_fsdp.fully_shard, _model(), mesh, **shard_kw), rank, world, setup=setup,
+        clip=clip,
+    )  # fmt: skip
+    ours = _train(
+        _shard(raggedfsdp.fully_shard, _model(), mesh, **shard_kw), rank, world, setup=setup,
+        clip=clip,
+    )  # fmt: skip
+    worst = max(abs(a - b) for a, b in zip(ours[0], ref[0]))
+    assert worst <= tol, f"losses differ by {worst:.3g}: {ours[0]} vs {ref[0]}"
+    for name, p in ref[1].items():
+        torch.testing.assert_close(ours[1][name], p, atol=tol, rtol=tol, msg=name)
+
+
+def _divide_factor_as_torchtitan(model):
+    # torchtitan: sum gradients (its loss is already normalised globally); force_sum:
+    # FSDP2 would reduce with PREMUL_SUM, which gloo lacks (torchtitan's CPU shim)
+    for m in model.modules():
+        if isinstance(m, torch_fsdp.FSDPModule):
+            m.set_gradient_divide_factor(1.0)
+            m.set_force_sum_reduction_for_comms(True)
+
+
+def _unshard_embedding_only_for_grads(model):
+    model.set_unshard_in_backward(True)
+    model.layers[0].set_unshard_in_backward(True)
+
+
+def _check_isinstance_and_helpers(rank, world):
+    mesh = init_device_mesh("cpu", (world,))
+    model = _shard(raggedfsdp.fully_shard, _model(), mesh, head_group=True)
+    assert all(isinstance(m, torch_fsdp.FSDPModule) for m in (model, model.norm, model.output))
+    # register_fsdp_forward_method (torch's): a method other than forward unshards too
+    model.logits_of = lambda tokens: model.forward(tokens)
+    torch_fsdp.register_fsdp_forward_method(model, "logits_of")
+    with torch.no_grad():
+        x = _batches(rank, world)[0][:, :-1]
+        out = model.logits_of(x)
+        assert torch.equal(out, model(x))
+    assert isinstance(model.output.weight, DTensor)  # resharded after the method
+
+
+def _check_tied_sibling_groups_refused(rank, world):
+    mesh = init_device_mesh("cpu", (world,))
+    a = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
+    b = nn.Linear(4, 4)
+    a[2].weight = b.weight
+    raggedfsdp.fully_shard(b, mesh=mesh)
+    with pytest.raises(ValueError, match=r"parameter '2.weight' is also 'weight' of Linear"):
+        raggedfsdp.fully_shard(a, mesh=mesh)
+    assert type(a) is nn.Sequential and not isinstance(a[0].weight, DTensor)
+
+
+def _check_reset_iter_state(rank, world):
+    mesh = init_device_mesh("cpu", (world,))
+    model = _shard(raggedfsdp.fully_shard, _model(), mesh)
+    x = _batches(rank, world)[0]
+    with pytest.raises(ValueError, match="tokens must be"):
+        model(x[0])  # a 1-D batch: the forward fails after the root's pre-forward
+    model.reset_iter_state()
+    lm_loss(model(x[:, :-1]), x[:, 1:]).backward()
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def _check_refusals(rank, world):
+    mesh = init_device_mesh("cpu", (world,))
+    with pytest.raises(NotImplementedError, match=r"shard_placement_fn gives parameter 'weight'"):
+        raggedfsdp.fully_shard(nn.Linear(4, 4), mesh=mesh, shard_placement_fn=lambda p: Shard(1))
+    with pytest.raises(NotImplementedError, match="dp_mesh_dims is not supported"):
+        raggedfsdp.fully_shard(nn.Linear(4, 4), mesh=mesh, dp_mesh_dims=object())
+    with pytest.raises(ValueError, match="mp_policy must be a MixedPrecisionPolicy"):
+        raggedfsdp.fully_shard(nn.Linear(4, 4), mesh=mesh, mp_policy="bf16")
+
+
+def _grid(rank, world):
+    torch_mp = torch_fsdp.MixedPrecisionPolicy(
+        param_dtype=torch.bfloat16, reduce_dtype=torch.float32
+    )
+    cases = {
+        "torch MixedPrecisionPolicy": partial(
+            _against_fsdp2, rank, world, shard_kw={"mp_policy": torch_mp}, tol=1e-5
+        ),
+        "torch OffloadPolicy / CPUOffloadPolicy on the CPU": partial(
+            _against_fsdp2, rank, world, shard_kw={"offload_policy": torch_fsdp.OffloadPolicy()}
+        ),
+        "a list of modules, one group": partial(
+            _against_fsdp2, rank, world, shard_kw={"head_group": True}
+        ),
+        "shard_placement_fn Shard(0)": partial(
+            _against_fsdp2, rank, world, shard_kw={"shard_placement_fn": lambda p: Shard(0)}
+        ),
+        "torchtitan's divide factor through isinstance": partial(
+            _against_fsdp2, rank, world, setup=_divide_factor_as_torchtitan
+        ),
+        "torch clip_grad_norm_": partial(_against_fsdp2, rank, world, clip=0.5),
+        "force sum reduction": partial(
+            _against_fsdp2, rank, world, setup=lambda m: m.set_force_sum_reduction_for_comms(True)
+        ),
+        "two reduce-scatters in flight": partial(
+            _against_fsdp2, rank, world, setup=lambda m: m.set_reduce_scatter_max_input_buffers(2)
+        ),
+        "separate reduce-scatter group": partial(
+            _against_fsdp2, rank, world, setup=lambda m: m.set_separate_reduce_scatter_group()
+        ),
+        "unshard in backward": partial(
+            _against_fsdp2, rank, world, setup=_unshard_embedding_only_for_grads
+        ),
+        "isinstance and register_fsdp_forward_method": partial(
+            _check_isinstance_and_helpers, rank, world
+        ),
+        "tied across sibling groups": partial(_check_tied_sibling_groups_refused, rank, world),
+        "reset_iter_state": partial(_check_reset_iter_state, rank, world),
+        "refusals": partial(_check_refusals, rank, world),
+    }
+    run_cases(cases)
+    dist.barrier()
+
+
+def test_drop_in_against_fsdp2():
+    spawn(2, _grid, timeout=600)
