@@ -13,8 +13,11 @@ patched                                what it does for RaggedShard
 ``distribute_tensor``                  broadcast as Replicate, keep the rank's rows
 ``redistribute_local_tensor`` (x3)     RS<->R, RS<->Shard(0), RS<->RS (one
                                        all-to-all), Partial->RS (one reduce-scatter)
-``ShardingPropagator`` (instance)      element-wise / foreach ops keep RS; norms and
-                                       sums give a Partial; any other op raises
+``ShardingPropagator`` (instance)      element-wise / foreach ops keep RS (a Replicate
+                                       argument of the same shape is sliced locally);
+                                       norms and sums give a Partial; others raise
+custom op handlers                     norms safe on empty shards; in-place random
+                                       ops draw the full tensor, keep the rows
 ``DTensor.__create_write_items__``,    DCP boxes of a ragged row range
 ``__create_chunk_list__``,
 ``__get_tensor_shard__``
@@ -401,8 +404,56 @@ def _column_placements(op, column: list[DTensorSpec]):
     return first.placements
 
 
+def _localized_replicas(op_schema: OpSchema) -> OpSchema | None:
+    """The schema with every Replicate argument that meets a RaggedShard of its shape in an
+    element-wise op placed as that RaggedShard (its local slice: no communication), or
+    None when there is none (see [Note: Replicate meets RaggedShard])."""
+    columns = _elementwise_columns(op_schema)
+    targets = [next((s for s in col if _is_ragged(s)), None) for col in columns]
+
+    def localize(spec, target):
+        if (
+            isinstance(spec, DTensorSpec)
+            and target is not None
+            and not _is_ragged(spec)
+            and not _is_scalar_like(spec)
+            and all(p.is_replicate() for p in spec.placements)
+            and spec.mesh == target.mesh
+            and spec.tensor_meta.shape == target.tensor_meta.shape
+        ):
+            return DTensorSpec(spec.mesh, target.placements, tensor_meta=spec.tensor_meta)
+        return spec
+
+    def walk(arg):
+        if isinstance(arg, DTensorSpec):
+            return localize(arg, targets[0]) if len(targets) == 1 else arg
+        if isinstance(arg, list | tuple) and _specs_in(arg) and len(arg) == len(targets):
+            return type(arg)(localize(a, t) for a, t in zip(arg, targets))
+        return arg
+
+    args = tuple(walk(a) for a in op_schema.args_schema)
+    kwargs = {k: walk(v) for k, v in op_schema.kwargs_schema.items()}
+    if args == tuple(op_schema.args_schema) and kwargs == dict(op_schema.kwargs_schema):
+        return None
+    return OpSchema(op_schema.op, args, kwargs, schema_info=op_schema.schema_info)
+
+
 def _ragged_output_sharding(prop, op_schema: OpSchema) -> OutputSharding:
+    """[Note: Replicate meets RaggedShard]
+    An element-wise op between a RaggedShard DTensor and a Replicate one of the same
+    shape (``sharded.copy_(replicated)``, ``add_``, ``lerp_``: what checkpoint loaders
+    and init code do) runs on the replicated side's local slice: the propagation asks
+    the dispatcher to redistribute it to the RaggedShard placement, which for a
+    Replicate source is a view of its rows, with no communication.
+    """
     op = op_schema.op
+    if _is_elementwise(op):
+        localized = _localized_replicas(op_schema)
+        if localized is not None:
+            out = _ragged_output_sharding(prop, localized)
+            return OutputSharding(
+                out.output_spec, redistribute_schema=localized, needs_redistribute=True
+            )
     out_meta = prop._propagate_tensor_meta_non_cached(op_schema)
     mesh = _specs_in(list(op_schema.args_schema))[0].mesh
 
@@ -510,18 +561,84 @@ def _norm_handler(op_call, args, kwargs):
     op_info = dispatcher.unwrap_to_op_info(op_call, args, kwargs)
     if not _schema_is_ragged(op_info.schema):
         # hand the op back to torch's own path (as torch.distributed.tensor.parallel.loss does)
-        handlers = dispatcher._custom_op_handlers
-        del handlers[op_call]
-        try:
-            return op_call(*args, **kwargs)
-        finally:
-            handlers[op_call] = _norm_handler
+        return _to_torch(op_call, _norm_handler, args, kwargs)
     sharding = dispatcher.sharding_propagator.propagate_op_sharding(op_info.schema)
     local_args = op_info.local_args
     if op_info.args_tree_spec is not None:
         local_args = pytree.tree_unflatten(local_args, op_info.args_tree_spec)
     local = _empty_safe_norm(op_call, local_args, op_info.local_kwargs)
     return dispatcher.wrap(local, sharding.output_spec)
+
+
+# [Note: random init of RaggedShard]
+# An in-place random op (``normal_``, ``uniform_``, ... as ``nn.init`` calls them) on a
+# RaggedShard DTensor draws the *whole* tensor on every rank, with the generator it was
+# given (or the device's default one), and keeps the rank's rows. Contract: with the
+# same generator state on every rank (``torch.manual_seed(s)`` everywhere, as model
+# init does), the full tensor is bit-identical to what the op gives an unsharded
+# tensor with that state, at any world size and any block policy, on the CPU as on an
+# accelerator; and every rank's generator advances as the unsharded op advances it.
+# Cost: one transient full-size tensor per call, and the time of drawing it on one
+# device (as single-device init). FSDP2's DTensor random ops, by contrast, draw only
+# the local shard with offset-based Philox on CUDA, and on the CPU draw each shard
+# from the local generator (the full tensor then depends on the world size).
+_RANDOM_INPLACE = (
+    aten.normal_.default,
+    aten.uniform_.default,
+    aten.bernoulli_.float,
+    aten.exponential_.default,
+    aten.cauchy_.default,
+    aten.log_normal_.default,
+    aten.geometric_.default,
+    aten.random_.default,
+    getattr(aten.random_, "from"),  # 'from' is a Python keyword
+    aten.random_.to,
+)
+
+
+def _random_handler(op_call, args, kwargs):
+    """DTensor custom handler for in-place random ops: see [Note: random init of RaggedShard]."""
+    target = args[0]
+    if not (isinstance(target, DTensor) and _is_ragged(target._spec)):
+        return _to_torch(op_call, _random_handler, args, kwargs)
+    if any(isinstance(a, DTensor) for a in (*args[1:], *kwargs.values())):
+        raise NotImplementedError(f"{op_call} with DTensor arguments on a RaggedShard DTensor")
+    local = target._local_tensor
+    if local.device.type != "meta":
+        axis, placement = ragged_axis(target.placements)
+        rank = target.device_mesh.get_local_rank(axis)
+        full = torch.empty(target.shape, dtype=target.dtype, device=local.device)
+        op_call(full, *args[1:], **kwargs)  # the whole tensor, as one device draws it
+        lo, hi = placement.local_row_range(target.shape, rank)
+        row = placement.row_numel(target.shape)
+        local.view(-1).copy_(full.view(-1)[lo * row : hi * row])
+    return target
+
+
+def _any_all_handler(op_call, args, kwargs):
+    """``any()`` / ``all()`` of a whole RaggedShard DTensor, reduced now to a Replicate
+    bool: code branches on it (``nn.init.trunc_normal_``'s rejection loop), and a
+    Partial's ``bool()`` would read this rank's part only. An empty shard gives the
+    identity (False / True)."""
+    target = args[0]
+    if not (isinstance(target, DTensor) and _is_ragged(target._spec)) or len(args) > 1 or kwargs:
+        return _to_torch(op_call, _any_all_handler, args, kwargs)
+    axis, _ = ragged_axis(target.placements)
+    mesh = target.device_mesh
+    local = op_call(target._local_tensor).to(torch.uint8)
+    op = dist.ReduceOp.MAX if op_call is aten.any.default else dist.ReduceOp.MIN
+    dist.all_reduce(local, op=op, group=mesh.get_group(axis))
+    return DTensor.from_local(local.bool(), mesh, [Replicate()] * mesh.ndim, run_check=False)
+
+
+def _to_torch(op_call, handler, args, kwargs):
+    """Run ``op_call`` through torch's own DTensor path (the handler stepped aside)."""
+    handlers = DTensor._op_dispatcher._custom_op_handlers
+    del handlers[op_call]
+    try:
+        return op_call(*args, **kwargs)
+    finally:
+        handlers[op_call] = handler
 
 
 def _install_propagation() -> None:
@@ -536,8 +653,13 @@ def _install_propagation() -> None:
     # The cached entry point captured the bound original at construction: replace both.
     prop.propagate_op_sharding_non_cached = propagate_op_sharding_non_cached
     prop.propagate_op_sharding = LocalLRUCache(propagate_op_sharding_non_cached)
+    handlers = DTensor._op_dispatcher._custom_op_handlers
     for op in (aten.linalg_vector_norm.default, aten._foreach_norm.Scalar):
-        DTensor._op_dispatcher._custom_op_handlers[op] = _norm_handler
+        handlers[op] = _norm_handler
+    for op in _RANDOM_INPLACE:
+        handlers[op] = _random_handler
+    for op in (aten.any.default, aten.all.default):
+        handlers[op] = _any_all_handler
 
 
 # ---------------------------------------------------------------------------------------------
