@@ -139,17 +139,24 @@ class DBuffer:
         return dist.all_gather_single(out, inp, group=group, async_op=async_op), inp
 
     def reduce_scatter_grads(
-        self, out: torch.Tensor, group, op, reduce_dtype: torch.dtype, *, async_op: bool
+        self,
+        out: torch.Tensor,
+        group,
+        op,
+        reduce_dtype: torch.dtype,
+        *,
+        async_op: bool,
+        source: torch.Tensor | None = None,
     ) -> tuple[dist.Work | None, torch.Tensor | None]:
-        """Reduce-scatter the global gradient storage into ``out`` (S elements).
+        """Reduce-scatter the global gradient storage (or ``source``, laid out like it)
+        into ``out`` (S elements).
 
         Returns:
-            ``(work, cast)``: ``cast`` is the reduce-dtype copy of the gradients (None
-            when the dtypes agree); keep it alive until the work is waited.
+            ``(work, input)``: the input when it is not the global gradient storage
+            (a reduce-dtype cast, or ``source``); keep it alive until the work is waited.
         """
-        inp = self.global_grads.tensor
-        cast = inp.to(reduce_dtype) if reduce_dtype != inp.dtype else None  # one cast, whole
-        work = dist.reduce_scatter_single(
-            out, inp if cast is None else cast, op=op, group=group, async_op=async_op
-        )
-        return work, cast
+        inp = self.global_grads.tensor if source is None else source
+        if reduce_dtype != inp.dtype:
+            inp = inp.to(reduce_dtype)  # one cast of the whole buffer
+        work = dist.reduce_scatter_single(out, inp, op=op, group=group, async_op=async_op)
+        return work, None if inp is self.global_grads.tensor else inp

@@ -172,6 +172,7 @@ class ParamGroup:
         self._reduce: PendingReduce | None = None
         self.requires_gradient_sync = True
         self.gradient_divide_factor: float | None = None
+        self._accumulated: torch.Tensor | None = None  # see _accumulate_in_reduce_dtype
         self.force_sum_reduction = False  # SUM, then divide (set_force_sum_reduction_for_comms)
         self.all_reduce_hook = None  # called on the reduce-scatter output (set_all_reduce_hook)
         self.reduce_process_group = self.process_group  # or its own (separate RS group)
@@ -333,8 +334,16 @@ class ParamGroup:
         self.needs_post_backward = False
         if reshard:
             self.reshard()
-        if not self.requires_gradient_sync or not self.dbuf.global_grads.allocated:
-            return  # no sync: the unsharded gradients accumulate across microbatches
+        if not self.dbuf.global_grads.allocated:
+            return
+        if not self.requires_gradient_sync:  # the unsharded gradients accumulate
+            if self.reduce_dtype != self.compute_dtype:
+                self._accumulate_in_reduce_dtype()
+            return
+        source = None  # the global gradient storage
+        if self._accumulated is not None:  # earlier microbatches' gradients, reduce dtype
+            self._accumulate_in_reduce_dtype()
+            source, self._accumulated = self._accumulated, None
         earlier = self._reduce  # waited by prepare_grads: its sum is added at finalize
         if earlier is not None and earlier.work is not None:
             raise AssertionError(
@@ -355,11 +364,34 @@ class ParamGroup:
                 else self.dbuf.shard_grad.new_empty(self.layout.shard_size, dtype=self.reduce_dtype)
             )
             work, inp = self.dbuf.reduce_scatter_grads(
-                output, self.reduce_process_group, op, self.reduce_dtype, async_op=True
+                output,
+                self.reduce_process_group,
+                op,
+                self.reduce_dtype,
+                async_op=True,
+                source=source,
             )
         self._reduce = PendingReduce(
             work, output, direct, inp, earlier.output if earlier is not None else None
         )
+
+    def _accumulate_in_reduce_dtype(self) -> None:
+        """Move this microbatch's unsharded gradients into the reduce-dtype accumulator.
+
+        As FSDP2: without gradient sync, gradients accumulate in ``reduce_dtype`` (fp32
+        under bf16 compute), not in the compute dtype. The compute-dtype storage is freed,
+        so the next backward starts from zeros, and each microbatch's gradient is added
+        to the accumulator once, upcast element by element (``acc += grad``).
+        """
+        grads = self.dbuf.global_grads.tensor  # 1D, m*S, compute dtype
+        if self._accumulated is None:
+            self._accumulated = grads.to(self.reduce_dtype)  # 1D, m*S, reduce dtype
+        else:
+            self._accumulated.add_(grads)
+        for ref in self.refs:
+            if ref.unsharded is not None:
+                ref.unsharded.grad = None
+        self.dbuf.global_grads.free()
 
     @property
     def reduce_pending(self) -> bool:
@@ -387,6 +419,7 @@ class ParamGroup:
         if self._reduce is not None and self._reduce.work is not None:
             self._reduce.work.wait()
         self._reduce = None
+        self._accumulated = None
         self.needs_post_backward = False
         for ref in self.refs:
             ref.got_grad = False

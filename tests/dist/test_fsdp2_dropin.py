@@ -117,6 +117,32 @@ def _against_fsdp2(rank, world, *, shard_kw=None, setup=lambda m: None, tol=1e-6
         torch.testing.assert_close(ours[1][name], p, atol=tol, rtol=tol, msg=name)
 
 
+def _accumulate_bf16(rank, world, microbatches=8):
+    """bf16 compute, fp32 reduce, ``microbatches`` backwards per step without sync but the
+    last: FSDP2 accumulates the unsharded gradients in fp32 (the reduce dtype)."""
+    mesh = init_device_mesh("cpu", (world,))
+    mp = torch_fsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    results = []
+    for fully_shard in (torch_fsdp.fully_shard, raggedfsdp.fully_shard):
+        model = _shard(fully_shard, _model(), mesh, mp_policy=mp)
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        losses = []
+        for x in _batches(rank, world):
+            for i in range(microbatches):
+                model.set_requires_gradient_sync(i == microbatches - 1)
+                xm = x.roll(i, dims=1)
+                loss = lm_loss(model(xm[:, :-1]), xm[:, 1:]) / microbatches
+                loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        results.append((losses, [p.full_tensor() for p in model.parameters()]))
+    (ref_losses, ref_params), (losses, params) = results
+    assert losses == ref_losses, f"{losses} vs FSDP2's {ref_losses}"
+    for p, q in zip(params, ref_params):
+        assert torch.equal(p, q)
+
+
 def _divide_factor_as_torchtitan(model):
     # torchtitan: sum gradients (its loss is already normalised globally); force_sum:
     # FSDP2 would reduce with PREMUL_SUM, which gloo lacks (torchtitan's CPU shim)
@@ -210,6 +236,7 @@ def _grid(rank, world):
         "unshard in backward": partial(
             _against_fsdp2, rank, world, setup=_unshard_embedding_only_for_grads
         ),
+        "bf16 accumulation without sync": partial(_accumulate_bf16, rank, world),
         "isinstance and register_fsdp_forward_method": partial(
             _check_isinstance_and_helpers, rank, world
         ),
