@@ -367,8 +367,7 @@ def _muon_section(cells: dict, steps: int) -> list[str]:
 def _catalogue_section(worlds, budgets) -> list[str]:
     from raggedfsdp.models import get_config, param_groups
     from raggedfsdp.models.catalogue import REAL_MODELS
-    from raggedfsdp.optim._muon_plan import comm_free_matrices, plan_whole_matrices
-    from raggedfsdp.optim.muon import default_use_muon
+    from raggedfsdp.optim.muon import comm_free_matrices, default_use_muon, plan_whole_matrices
     from raggedfsdp.planner import TensorSpec
 
     head = " | ".join(f"whole, budget {100 * b:g}%: matrices / padding" for b in budgets)

@@ -1,4 +1,5 @@
-"""Pure planning for distributed Muon: root ranks, communication rounds, whole-matrix blocks.
+"""Pure planning for distributed Muon: the matrices of a step, their root ranks, the
+communication rounds and each rank's all-to-all segments; whole-matrix blocks.
 
 Nothing here needs a process group or allocates a tensor: every rank computes the
 same answers from the same shapes and placements, so no rank has to agree with
@@ -23,17 +24,24 @@ round ``k``'s results travel back while round ``k + 1`` computes.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from raggedfsdp.planner import DEFAULT_ALIGNMENT_BYTES, WHOLE, BufferLayout, TensorSpec, plan_buffer
 
 __all__ = [
+    "Exchange",
+    "Matrix",
+    "Round",
+    "StepPlan",
     "WholeMatrixPlan",
     "assign_roots",
+    "build_plan",
     "comm_free_matrices",
+    "matrix_members",
     "ns_flops",
+    "plan_matrices",
     "plan_rounds",
     "plan_whole_matrices",
 ]
@@ -115,6 +123,168 @@ def plan_rounds(
         sorted(i for q in queues for i in q[k * per_round : (k + 1) * per_round])
         for k in range(n_rounds)
     ]
+
+
+# ---------------------------------------------------------------------------------------------
+# The step plan: matrices, roots, rounds (identical on every rank)
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Matrix:
+    """One Muon matrix of a step: a 2-D parameter, or one member of a stack."""
+
+    item: int  # index of its parameter among the step's sharded Muon parameters
+    start: int  # first element in the flattened parameter
+    shape: tuple[int, int]  # (rows, cols) of the matrix
+    pieces: tuple[tuple[int, int], ...]  # per rank, [lo, hi) elements of the parameter
+
+    @property
+    def numel(self) -> int:
+        return self.shape[0] * self.shape[1]
+
+    def held(self, rank: int) -> int:
+        lo, hi = self.pieces[rank]
+        return hi - lo
+
+
+@dataclass
+class Exchange:
+    """One all-to-all of one rank: what it sends and receives, in order."""
+
+    send: list[tuple[int, int]] = field(default_factory=list)  # (matrix, rank of the piece)
+    recv: list[tuple[int, int]] = field(default_factory=list)  # (matrix, rank of the piece)
+    send_splits: list[int] = field(default_factory=list)  # elements per peer
+    recv_splits: list[int] = field(default_factory=list)
+
+
+@dataclass
+class Round:
+    """The matrices of one round, the gather to their roots and the scatter back."""
+
+    matrices: list[int]
+    gather: Exchange
+    scatter: Exchange | None  # None for the replicated baseline
+
+
+@dataclass
+class StepPlan:
+    """What one rank does in ``Muon.step`` for the sharded Muon parameters."""
+
+    matrices: list[Matrix]
+    roots: list[int]
+    load: list[float]  # NS FLOPs per rank
+    local: list[int]  # matrices this rank roots that need no communication
+    rounds: list[Round]
+
+
+def matrix_members(shape: Sequence[int]) -> list[tuple[int, tuple[int, int]]]:
+    """``(first element, (rows, cols))`` of each matrix of a 2-D or stacked 3-D shape."""
+    if len(shape) == 2:
+        return [(0, (shape[0], shape[1]))]
+    E, rows, cols = shape
+    return [(e * rows * cols, (rows, cols)) for e in range(E)]
+
+
+def plan_matrices(
+    params: Sequence[tuple[tuple[int, ...], Any, int]], world_size: int
+) -> tuple[list[Matrix], list[float]]:
+    """The matrices of RaggedShard Muon parameters, and the NS FLOPs of each.
+
+    Args:
+        params: per parameter, ``(global shape, its RaggedShard placement, ns_steps)``.
+        world_size: ranks of the mesh.
+    """
+    matrices, flops = [], []
+    for k, (shape, rs, ns_steps) in enumerate(params):
+        row = rs.row_numel(shape)
+        ranges = [tuple(x * row for x in rs.local_row_range(shape, r)) for r in range(world_size)]
+        for start, mshape in matrix_members(shape):
+            stop = start + mshape[0] * mshape[1]
+            pieces = []
+            for lo, hi in ranges:
+                a, b = max(lo, start), min(hi, stop)
+                pieces.append((a, b) if b > a else (start, start))
+            matrices.append(Matrix(k, start, mshape, tuple(pieces)))
+            flops.append(float(ns_flops(*mshape, ns_steps)))
+    return matrices, flops
+
+
+PieceRule = Callable[[int, int, int], bool]  # (matrix, source rank, destination rank)
+
+
+def _exchange(
+    matrices: Sequence[Matrix],
+    rnd: Sequence[int],
+    me: int,
+    world_size: int,
+    moves: PieceRule,
+    piece_rank: Callable[[int, int, int], int],
+) -> Exchange:
+    """Segments of one all-to-all: rank s sends piece ``piece_rank(m, s, d)`` of m to d
+    wherever ``moves(m, s, d)``."""
+    ex = Exchange()
+    for peer in range(world_size):
+        n_send = n_recv = 0
+        for i in rnd:
+            m = matrices[i]
+            if peer != me and moves(i, me, peer):
+                pr = piece_rank(i, me, peer)
+                if m.held(pr):
+                    ex.send.append((i, pr))
+                    n_send += m.held(pr)
+            if peer != me and moves(i, peer, me):
+                pr = piece_rank(i, peer, me)
+                if m.held(pr):
+                    ex.recv.append((i, pr))
+                    n_recv += m.held(pr)
+        ex.send_splits.append(n_send)
+        ex.recv_splits.append(n_recv)
+    return ex
+
+
+def build_plan(
+    matrices: list[Matrix],
+    flops: list[float],
+    world_size: int,
+    me: int,
+    mode: str,
+    per_round: int,
+) -> StepPlan:
+    """Roots, rounds and this rank's exchanges; see [Note: Muon roots].
+
+    Args:
+        matrices, flops: from ``plan_matrices``.
+        world_size, me: ranks of the mesh, and this rank.
+        mode: ``"root"`` (NS of each matrix on its root) or ``"replicated"`` (every
+            rank gathers every matrix and runs every NS).
+        per_round: matrices of each root per round (``"replicated"``: of each rank).
+    """
+    held = [[m.held(r) for r in range(world_size)] for m in matrices]
+    roots, load = assign_roots(flops, held, world_size)
+
+    def source_piece(i, src, dst):
+        return src
+
+    if mode == "replicated":
+        chunk = world_size * per_round
+        rounds = []
+        for k in range(0, len(matrices), chunk):
+            rnd = list(range(k, min(k + chunk, len(matrices))))
+            gather = _exchange(matrices, rnd, me, world_size, lambda i, s, d: True, source_piece)
+            rounds.append(Round(rnd, gather, None))
+        return StepPlan(matrices, roots, [float(sum(flops))] * world_size, [], rounds)
+    needs_comm = [i for i in range(len(matrices)) if sum(h > 0 for h in held[i]) > 1]
+    local = [i for i in range(len(matrices)) if roots[i] == me and i not in set(needs_comm)]
+    order = sorted(needs_comm, key=lambda i: (-flops[i], i))
+    rounds = []
+    for rnd in plan_rounds(order, roots, world_size, per_round):
+        gather = _exchange(
+            matrices, rnd, me, world_size, lambda i, s, d: d == roots[i], source_piece
+        )
+        scatter = _exchange(
+            matrices, rnd, me, world_size, lambda i, s, d: s == roots[i], lambda i, s, d: d
+        )
+        rounds.append(Round(rnd, gather, scatter))
+    return StepPlan(matrices, roots, load, local, rounds)
 
 
 # ---------------------------------------------------------------------------------------------

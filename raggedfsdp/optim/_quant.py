@@ -109,34 +109,57 @@ def _to_key_grid(x: torch.Tensor) -> torch.Tensor:
     return ((bits + half) >> _KEY_SHIFT << _KEY_SHIFT).view(torch.float32)
 
 
-@functools.cache
-def dynamic_tree_map(signed: bool) -> QuantMap:
+def dynamic_tree_map(signed: bool, device: torch.device | str = "cpu") -> QuantMap:
     """The dynamic tree code table: signed (first moment) or unsigned (second moment).
 
-    See [Note: dynamic tree quantization]. Built once per process, deterministically.
+    See [Note: dynamic tree quantization]. Built once per process on the CPU,
+    deterministically, and copied once to each other device it is asked for.
+
+    Args:
+        signed: the table on [-1, 1] (True) or on [0, 1] (False).
+        device: where its tensors live (that of the codes it encodes). Default "cpu".
     """
-    mags = torch.tensor([0.0, *_tree_magnitudes(7 if signed else 8)], dtype=torch.float64)
+    return _tree_map(signed, torch.device(device))
+
+
+@functools.cache
+def _tree_map(signed: bool, device: torch.device) -> QuantMap:
+    if device.type != "cpu":
+        cpu = _tree_map(signed, torch.device("cpu"))
+        return QuantMap(
+            values=cpu.values.to(device),
+            thresholds=cpu.thresholds.to(device),
+            lut=cpu.lut.to(device),
+            zero=cpu.zero,
+        )
+    # built on the CPU on purpose: small tables, checked exactly below
+    mags = torch.tensor(
+        [0.0, *_tree_magnitudes(7 if signed else 8)], dtype=torch.float64, device="cpu"
+    )
     mags = mags.to(torch.float32)
     m64 = mags.double()
     thresholds = _to_key_grid(((m64[1:] + m64[:-1]) / 2).to(torch.float32))
     assert bool((thresholds > mags[:-1]).all() and (thresholds < mags[1:]).all())
     # key k >= 0 of a magnitude: [lo[k], lo[k + 1]); thresholds are some of the lo's
-    lo = (torch.arange(_ONE + 1, dtype=torch.int32) << _KEY_SHIFT).view(torch.float32)
+    lo = (torch.arange(_ONE + 1, dtype=torch.int32, device="cpu") << _KEY_SHIFT).view(torch.float32)
     steps = torch.searchsorted(thresholds, lo, side="right")  # thresholds <= lo
     n = thresholds.numel()
-    mag_lut = torch.full((_KEY_MASK + 1,), n, dtype=torch.int64)  # > 1, inf, NaN: the top
+    mag_lut = torch.full(
+        (_KEY_MASK + 1,), n, dtype=torch.int64, device="cpu"
+    )  # > 1, inf, NaN: the top
     mag_lut[: _ONE + 1] = steps
     mag_lut[_NEGATIVE:] = mag_lut[:_NEGATIVE]  # a negative value: the same magnitude
+    negative = torch.arange(_KEY_MASK + 1, device="cpu") >= _NEGATIVE
     if signed:
         values = torch.cat([-mags.flip(0)[:-1], mags])
         zero = n
-        lut = zero + torch.where(torch.arange(_KEY_MASK + 1) >= _NEGATIVE, -mag_lut, mag_lut)
+        lut = zero + torch.where(negative, -mag_lut, mag_lut)
     else:
         values, zero = mags, 0
-        lut = mag_lut.masked_fill(torch.arange(_KEY_MASK + 1) >= _NEGATIVE, 0)
+        lut = mag_lut.masked_fill(negative, 0)
     assert values.numel() <= 256 and bool((values[1:] > values[:-1]).all())
     qmap = QuantMap(values=values, thresholds=thresholds, lut=lut.to(torch.uint8), zero=zero)
-    assert torch.equal(encode(values, qmap).long(), torch.arange(values.numel()))
+    assert torch.equal(encode(values, qmap).long(), torch.arange(values.numel(), device="cpu"))
     return qmap
 
 
@@ -185,13 +208,19 @@ class Blocks:
     uniform: bool
 
     @classmethod
-    def from_lengths(cls, lengths: list[int]) -> Blocks:
+    def from_lengths(cls, lengths: list[int], device: torch.device | str = "cpu") -> Blocks:
+        """Blocks of ``lengths`` elements, their ``lengths`` tensor on ``device`` (the data's)."""
         if any(n <= 0 for n in lengths):
             raise AssertionError(f"quantization blocks must be non-empty, got {lengths[:8]}...")
         numel = sum(lengths)
         unit = functools.reduce(math.gcd, lengths, 0) or 1
-        units = torch.tensor([n // unit for n in lengths], dtype=torch.int64)
-        return cls(numel=numel, unit=unit, lengths=units, uniform=bool((units == 1).all()))
+        units = [n // unit for n in lengths]
+        return cls(
+            numel=numel,
+            unit=unit,
+            lengths=torch.tensor(units, dtype=torch.int64, device=device),
+            uniform=all(u == 1 for u in units),
+        )
 
     @property
     def count(self) -> int:

@@ -27,11 +27,12 @@ The state seen by ``state_dict`` and DCP is per parameter: ``exp_avg_codes`` and
 scales together by global position, with no requantization.
 
 For parameters sharded by ``fully_shard`` the codes live in two flat uint8 tensors
-of S elements (like the group's shard storage) and the scales in two flat fp32
+of S elements (like the buffer's shard storage) and the scales in two flat fp32
 tensors with one entry per block of the shard (the gaps between 8-bit parameters
-count as blocks too); ``state[p]`` holds views. As in the flat ``AdamW``, when every
-parameter of a buffer steps together one update covers the whole buffer (a fixed
-number of kernels); otherwise each parameter steps over the same views.
+count as blocks too); ``state[p]`` holds views. A buffer that [Note: whole-buffer
+steps] (``_flat.py``) lets step whole is updated with a fixed number of kernels
+(plus one per run of equal weight decay); every other parameter steps alone over
+the same views.
 """
 
 from __future__ import annotations
@@ -42,7 +43,8 @@ from dataclasses import dataclass, field
 import torch
 from torch.distributed.tensor import DTensor, Replicate
 
-from raggedfsdp.fsdp._param_group import ParamGroup, owner_of
+from raggedfsdp.fsdp import BufferView, buffer_of
+from raggedfsdp.optim._flat import FlatOptimizer, WholeStep, check_hyper, like_param, local
 from raggedfsdp.optim._quant import (
     Blocks,
     dequantize,
@@ -169,10 +171,6 @@ class _ParamQuant:
         return RaggedShard(dims=(0,), local_units=self.scale_units)
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t._local_tensor if isinstance(t, DTensor) else t
-
-
 def _param_quant(name: str, p: torch.Tensor, block: int) -> _ParamQuant:
     """Where ``p``'s quantization blocks lie; raises if a rank boundary splits one."""
     shape = tuple(p.shape)
@@ -222,22 +220,16 @@ def _param_quant(name: str, p: torch.Tensor, block: int) -> _ParamQuant:
         scale_lo=scale_index(lo),
         scale_hi=scale_index(hi),
         scale_units=units,
-        blocks=Blocks.from_lengths(lengths),
+        blocks=Blocks.from_lengths(lengths, device=local(p).device),
     )
 
 
-def _like_param(local: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-    """``local`` as a DTensor placed like ``p`` (or ``local`` itself for a plain ``p``)."""
+def _scales_like(scales: torch.Tensor, p: torch.Tensor, pq: _ParamQuant) -> torch.Tensor:
+    """This rank's ``scales`` of ``p`` as a 1-D DTensor of all its scales (itself if plain)."""
     if not isinstance(p, DTensor):
-        return local
-    return DTensor.from_local(local, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
-
-
-def _scales_like(local: torch.Tensor, p: torch.Tensor, pq: _ParamQuant) -> torch.Tensor:
-    if not isinstance(p, DTensor):
-        return local
+        return scales
     placements = [pq.scale_placement] if pq.scale_units is not None else list(p.placements)
-    return DTensor.from_local(local, p.device_mesh, placements, shape=(pq.n_scales,), stride=(1,))
+    return DTensor.from_local(scales, p.device_mesh, placements, shape=(pq.n_scales,), stride=(1,))
 
 
 # ---- flat state of one fully_shard buffer ----------------------------------------------------
@@ -253,7 +245,7 @@ class _FlatState:
     quant: dict[str, _ParamQuant] = field(default_factory=dict)  # fqn -> its blocks
 
 
-class AdamW8bit(torch.optim.Optimizer):
+class AdamW8bit(FlatOptimizer):
     """AdamW (decoupled weight decay) with block-wise 8-bit moments.
 
     See [Note: 8-bit states under RaggedShard]. Parameters may be plain tensors,
@@ -263,11 +255,8 @@ class AdamW8bit(torch.optim.Optimizer):
     requantize.
 
     Args:
-        params: parameters or parameter groups, as for ``torch.optim.AdamW``.
-        lr: learning rate. Default 1e-3.
-        betas: coefficients of the moment averages. Default (0.9, 0.999).
-        eps: added to the denominator. Default 1e-8.
-        weight_decay: decoupled weight decay. Default 1e-2.
+        params, lr, betas, eps, weight_decay: as for ``AdamW`` (and with its defaults:
+            1e-3, (0.9, 0.999), 1e-8, 1e-2).
         block_size: B, elements per quantization block (one fp32 scale each). Default 256.
         min_8bit_size: parameters with fewer elements (global size) keep fp32 moments.
             Default 4096.
@@ -290,125 +279,103 @@ class AdamW8bit(torch.optim.Optimizer):
         block_size: int = DEFAULT_BLOCK_SIZE,
         min_8bit_size: int = DEFAULT_MIN_8BIT_SIZE,
     ):
-        if not lr >= 0.0:
-            raise ValueError(f"AdamW8bit: lr must be >= 0, got {lr}")
-        if not eps >= 0.0:
-            raise ValueError(f"AdamW8bit: eps must be >= 0, got {eps}")
-        for i, b in enumerate(betas):
-            if not 0.0 <= b < 1.0:
-                raise ValueError(f"AdamW8bit: betas[{i}] must be in [0, 1), got {b}")
-        if not weight_decay >= 0.0:
-            raise ValueError(f"AdamW8bit: weight_decay must be >= 0, got {weight_decay}")
+        check_hyper("AdamW8bit", lr=lr, eps=eps, betas=betas, weight_decay=weight_decay)
         _check_sizes("AdamW8bit", block_size, min_8bit_size)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults)
         self.block_size = block_size
         self.min_8bit_size = min_8bit_size
-        self._flat: dict[int, _FlatState] = {}
         self._quant: dict[int, _ParamQuant] = {}  # id(param) -> blocks (not fully_shard's)
 
     def is_8bit(self, p: torch.Tensor) -> bool:
         """Whether ``p`` has 8-bit moments (decided from its global shape)."""
         return is_8bit_eligible(tuple(p.shape), self.block_size, self.min_8bit_size)
 
-    def _name(self, p: torch.Tensor) -> str:
-        owner = owner_of(p)
-        if owner is not None:
-            return owner[1].fqn
-        for gi, g in enumerate(self.param_groups):
-            for pi, q in enumerate(g["params"]):
-                if q is p:
-                    return f"param_groups[{gi}]['params'][{pi}]"
-        return "<unknown>"
-
     # ---- state ----------------------------------------------------------------------------
-    def _flat_state(self, group: ParamGroup) -> _FlatState:
-        fs = self._flat.get(id(group))
-        if fs is not None and fs.codes[0].shape == group.dbuf.shard.shape:
+    def _flat_state(self, buf: BufferView) -> _FlatState:
+        fs = self._flat.get(buf)
+        shard = buf.shard  # 1D, S elements
+        if fs is not None and fs.codes[0].shape == shard.shape:
             return fs
         mine = {id(p) for g in self.param_groups for p in g["params"]}
-        S, rank, layout = group.layout.shard_size, group.rank, group.layout
+        S, layout, device = buf.layout.shard_size, buf.layout, shard.device
         lengths, small_index = [], []
         scale_ranges, small_ranges, quant = {}, {}, {}
         pos = n_small = 0
-        for ref in sorted(group.refs, key=lambda r: layout[r.fqn].offset):
-            if id(ref.sharded) not in mine:
+        for s in sorted(buf.params, key=lambda s: layout[s.fqn].offset):
+            if id(s.param) not in mine:
                 continue
-            start, stop = layout.shard_range(ref.fqn, rank)
-            if not self.is_8bit(ref.sharded):
-                small_index.append(torch.arange(start, stop))
-                small_ranges[ref.fqn] = (n_small, n_small + stop - start)
+            start, stop = s.start, s.stop
+            if not self.is_8bit(s.param):
+                small_index.append(torch.arange(start, stop, device=device))
+                small_ranges[s.fqn] = (n_small, n_small + stop - start)
                 n_small += stop - start
                 continue
-            pq = _param_quant(ref.fqn, ref.sharded, self.block_size)
-            quant[ref.fqn] = pq
+            pq = _param_quant(s.fqn, s.param, self.block_size)
+            quant[s.fqn] = pq
             if stop == start:
-                scale_ranges[ref.fqn] = (len(lengths), len(lengths))
+                scale_ranges[s.fqn] = (len(lengths), len(lengths))
                 continue
             if start > pos:
                 lengths.append(start - pos)  # a gap: fp32-state parameters and padding
             first = len(lengths)
-            lengths += pq.blocks.lengths.mul(pq.blocks.unit).tolist()
-            scale_ranges[ref.fqn] = (first, len(lengths))
+            lengths += param_block_lengths(pq.numel, pq.member_numel, pq.lo, pq.hi, self.block_size)
+            scale_ranges[s.fqn] = (first, len(lengths))
             pos = stop
         if pos < S:
             lengths.append(S - pos)
-        shard = group.dbuf.shard
-        zero = (dynamic_tree_map(True).zero, dynamic_tree_map(False).zero)
-        blocks = Blocks.from_lengths(lengths)
-        fs = _FlatState(
-            codes=tuple(torch.full((S,), z, dtype=torch.uint8, device=shard.device) for z in zero),
-            scales=tuple(torch.zeros(blocks.count, device=shard.device) for _ in range(2)),
+        blocks = Blocks.from_lengths(lengths, device=device)
+        codes = (dynamic_tree_map(True, device).zero, dynamic_tree_map(False, device).zero)
+        self._flat[buf] = fs = _FlatState(
+            codes=tuple(torch.full((S,), z, dtype=torch.uint8, device=device) for z in codes),
+            scales=tuple(torch.zeros(blocks.count, device=device) for _ in range(2)),
             blocks=blocks,
-            small=tuple(torch.zeros(n_small, device=shard.device) for _ in range(2)),
-            small_index=(torch.cat(small_index) if small_index else torch.zeros(0)).long(),
+            small=tuple(torch.zeros(n_small, device=device) for _ in range(2)),
+            small_index=(
+                torch.cat(small_index)
+                if small_index
+                else torch.zeros(0, dtype=torch.int64, device=device)
+            ),
             scale_ranges=scale_ranges,
             small_ranges=small_ranges,
             quant=quant,
         )
-        fs.small_index = fs.small_index.to(shard.device)
-        self._flat[id(group)] = fs
         return fs
 
-    def _state(self, p: torch.Tensor) -> dict:
-        state = self.state[p]
-        if state:
-            return state
-        state["step"] = torch.tensor(0.0)
-        owner = owner_of(p)
-        local = _local(p)
-        if owner is not None:
-            group, ref = owner
-            fs = self._flat_state(group)
-            start, stop = group.layout.shard_range(ref.fqn, group.rank)
-            if ref.fqn in fs.quant:
-                a, b = fs.scale_ranges[ref.fqn]
+    def _init_state(self, p: torch.Tensor, state: dict) -> None:
+        found = buffer_of(p)
+        shape = local(p).shape
+        if found is not None:
+            buf, s = found
+            fs = self._flat_state(buf)
+            if s.fqn in fs.quant:
+                a, b = fs.scale_ranges[s.fqn]
                 for i, key in enumerate(_MOMENTS):
-                    codes = fs.codes[i][start:stop].view(local.shape)
-                    state[f"{key}_codes"] = _like_param(codes, p)
-                    state[f"{key}_scales"] = _scales_like(fs.scales[i][a:b], p, fs.quant[ref.fqn])
+                    codes = fs.codes[i][s.start : s.stop].view(shape)
+                    state[f"{key}_codes"] = like_param(codes, p)
+                    state[f"{key}_scales"] = _scales_like(fs.scales[i][a:b], p, fs.quant[s.fqn])
             else:
-                a, b = fs.small_ranges[ref.fqn]
+                a, b = fs.small_ranges[s.fqn]
                 for i, key in enumerate(_MOMENTS):
-                    state[key] = _like_param(fs.small[i][a:b].view(local.shape), p)
-            return state
+                    state[key] = like_param(fs.small[i][a:b].view(shape), p)
+            return
         if not self.is_8bit(p):
             for key in _MOMENTS:
-                state[key] = _like_param(torch.zeros_like(local, dtype=torch.float32), p)
-            return state
+                state[key] = like_param(torch.zeros_like(local(p), dtype=torch.float32), p)
+            return
         pq = _param_quant(self._name(p), p, self.block_size)
         self._quant[id(p)] = pq
         for signed, key in zip((True, False), _MOMENTS):
-            codes = torch.full_like(local, dynamic_tree_map(signed).zero, dtype=torch.uint8)
-            scales = torch.zeros(pq.scale_hi - pq.scale_lo, device=local.device)
-            state[f"{key}_codes"] = _like_param(codes, p)
+            zero = dynamic_tree_map(signed, p.device).zero
+            codes = torch.full_like(local(p), zero, dtype=torch.uint8)
+            scales = local(p).new_zeros(pq.scale_hi - pq.scale_lo, dtype=torch.float32)
+            state[f"{key}_codes"] = like_param(codes, p)
             state[f"{key}_scales"] = _scales_like(scales, p, pq)
-        return state
 
     def _param_quant_of(self, p: torch.Tensor) -> _ParamQuant:
-        owner = owner_of(p)
-        if owner is not None:
-            return self._flat_state(owner[0]).quant[owner[1].fqn]
+        found = buffer_of(p)
+        if found is not None:
+            return self._flat_state(found[0]).quant[found[1].fqn]
         return self._quant[id(p)]
 
     def load_state_dict(self, state_dict) -> None:
@@ -425,123 +392,50 @@ class AdamW8bit(torch.optim.Optimizer):
             loaded = state_dict["state"].get(i)
             if not loaded:
                 continue
-            self.state[p] = {}
-            fresh = self._state(p)
-            shapes = {k: tuple(_local(v).shape) for k, v in fresh.items() if k != "step"}
-            got = {k: tuple(_local(v).shape) for k, v in loaded.items() if k != "step"}
-            if shapes != got:
-                raise ValueError(
-                    f"AdamW8bit.load_state_dict: parameter {self._name(p)!r} has states "
-                    f"{got} in the state dict but {shapes} here; load it with the "
-                    f"block_size / min_8bit_size it was saved with (now {self.block_size} / "
-                    f"{self.min_8bit_size})"
-                )
-            fresh["step"] = loaded["step"].detach().clone().float().cpu()
-            for key, value in fresh.items():
-                if key != "step":
-                    _local(value).copy_(_local(loaded[key]))
+            self._reload(p, loaded)
+
+    def _load_hint(self) -> str:
+        return (
+            f"; load it with the block_size / min_8bit_size it was saved with (now "
+            f"{self.block_size} / {self.min_8bit_size})"
+        )
 
     # ---- step -----------------------------------------------------------------------------
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        hyper: dict[int, dict] = {}
-        by_buffer: dict[int, tuple[ParamGroup, list]] = {}
-        single = []
-        for g in self.param_groups:
-            for p in g["params"]:
-                if p.grad is None:
-                    continue
-                hyper[id(p)] = g
-                owner = owner_of(p)
-                if owner is None:
-                    single.append(p)
-                else:
-                    by_buffer.setdefault(id(owner[0]), (owner[0], []))[1].append(p)
-        for group, members in by_buffer.values():
-            if not self._step_buffer(group, members, hyper):
-                single.extend(members)
-        for p in single:
-            self._step_param(p, hyper[id(p)])
-        return loss
-
-    def _step_buffer(self, group: ParamGroup, members: list, hyper: dict) -> bool:
-        """One update of a whole buffer; False when the per-parameter path must run.
-
-        Needs every parameter of the buffer here, trainable, with its gradient a view
-        of the flat gradient storage, and one lr / betas / eps / step count.
-        """
-        if len(members) != len(group.refs):
-            return False  # a frozen parameter, or one of another optimizer, shares the buffer
-        if any(ref.sharded.grad is not ref.sharded_grad for ref in group.refs):
-            return False
-        hp = [hyper[id(ref.sharded)] for ref in group.refs]
-        if len({(h["lr"], h["betas"], h["eps"]) for h in hp}) != 1:
-            return False
-        states = [self._state(ref.sharded) for ref in group.refs]
-        if len({s["step"].item() for s in states}) != 1:
-            return False
-        fs = self._flat_state(group)
-        for s in states:
-            s["step"] += 1
-        h = hp[0]
-        step = states[0]["step"].item()
-        param = group.dbuf.shard  # 1D, S elements
-        grad = group.dbuf.shard_grad.float()  # 1D, S
-        lr = h["lr"]
-        for start, stop, wd in self._decay_runs(group, hp):
-            param[start:stop].mul_(1 - lr * wd)
-        signed, unsigned = dynamic_tree_map(True), dynamic_tree_map(False)
+    def _step_whole(self, whole: WholeStep) -> None:
+        buf, h = whole.buffer, whole.group
+        fs = self._flat_state(buf)
+        lr, (beta1, beta2) = h["lr"], h["betas"]
+        param = buf.shard  # 1D, S elements
+        grad = buf.shard_grad.float()  # 1D, S
+        signed = dynamic_tree_map(True, param.device)  # first moment's code table
+        unsigned = dynamic_tree_map(False, param.device)  # second moment's
         m = dequantize(fs.codes[0], fs.scales[0], fs.blocks, signed)  # 1D, S fp32
         v = dequantize(fs.codes[1], fs.scales[1], fs.blocks, unsigned)
         if fs.small_index.numel():
             m.index_copy_(0, fs.small_index, fs.small[0])
             v.index_copy_(0, fs.small_index, fs.small[1])
-        _moments(m, v, grad, *h["betas"])
+        _moments(m, v, grad, beta1, beta2)
         if fs.small_index.numel():
             torch.index_select(m, 0, fs.small_index, out=fs.small[0])
             torch.index_select(v, 0, fs.small_index, out=fs.small[1])
-        _update(param, m, v, step, lr, *h["betas"], h["eps"])
+        _update(param, m, v, whole.step, lr, beta1, beta2, h["eps"])
         quantize_(m, fs.blocks, signed, fs.codes[0], fs.scales[0])
         quantize_(v, fs.blocks, unsigned, fs.codes[1], fs.scales[1])
-        return True
 
-    @staticmethod
-    def _decay_runs(group: ParamGroup, hp: list) -> list[tuple[int, int, float]]:
-        """``(start, stop, weight decay)`` runs covering the shard storage, merged."""
-        layout, rank = group.layout, group.rank
-        spans = sorted(
-            (layout.shard_range(ref.fqn, rank), h["weight_decay"]) for ref, h in zip(group.refs, hp)
-        )
-        runs: list[list] = []
-        for (start, stop), wd in spans:
-            if stop == start:
-                continue
-            if runs and runs[-1][2] == wd:
-                runs[-1][1] = stop  # padding in between is zero: decaying it is harmless
-            else:
-                runs.append([start, stop, wd])
-        return [tuple(r) for r in runs]
-
-    def _step_param(self, p: torch.Tensor, h: dict) -> None:
-        state = self._state(p)
-        state["step"] += 1
-        step, lr, (beta1, beta2), eps = state["step"].item(), h["lr"], h["betas"], h["eps"]
-        param = _local(p).view(-1)
-        grad = _local(p.grad).reshape(-1).float()
-        param.mul_(1 - lr * h["weight_decay"])
+    def _step_param(self, p: torch.Tensor, h: dict, step: float) -> None:
+        state = self.state[p]
+        lr, (beta1, beta2), eps = h["lr"], h["betas"], h["eps"]
+        param = local(p).view(-1)
+        grad = local(p.grad).reshape(-1).float()
         if "exp_avg" in state:
-            m, v = (_local(state[key]).view(-1) for key in _MOMENTS)
+            m, v = (local(state[key]).view(-1) for key in _MOMENTS)
             _moments(m, v, grad, beta1, beta2)
             _update(param, m, v, step, lr, beta1, beta2, eps)
             return
         pq = self._param_quant_of(p)
-        maps = (dynamic_tree_map(True), dynamic_tree_map(False))
-        codes = [_local(state[f"{key}_codes"]).view(-1) for key in _MOMENTS]
-        scales = [_local(state[f"{key}_scales"]) for key in _MOMENTS]
+        maps = (dynamic_tree_map(True, param.device), dynamic_tree_map(False, param.device))
+        codes = [local(state[f"{key}_codes"]).view(-1) for key in _MOMENTS]
+        scales = [local(state[f"{key}_scales"]) for key in _MOMENTS]
         m, v = (dequantize(c, s, pq.blocks, q) for c, s, q in zip(codes, scales, maps))
         _moments(m, v, grad, beta1, beta2)
         _update(param, m, v, step, lr, beta1, beta2, eps)

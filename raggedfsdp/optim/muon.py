@@ -49,15 +49,25 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Replicate
 
-from raggedfsdp.fsdp._param_group import owner_of
-from raggedfsdp.optim._muon_plan import assign_roots, ns_flops, plan_rounds
+from raggedfsdp.fsdp import buffer_of
+from raggedfsdp.optim._flat import Item, check_hyper, like_param, local
+from raggedfsdp.optim._muon_plan import (
+    Exchange,
+    StepPlan,
+    build_plan,
+    comm_free_matrices,
+    matrix_members,
+    ns_flops,
+    plan_matrices,
+    plan_whole_matrices,
+)
 from raggedfsdp.optim._muon_policy import (
     MuonBlockPolicy,
     default_use_muon,
     muon_block_policy,
     muon_param_groups,
 )
-from raggedfsdp.optim.adamw import _adam_math
+from raggedfsdp.optim.adamw import FlatAdamW
 from raggedfsdp.placement import RaggedShard
 
 __all__ = [
@@ -65,9 +75,11 @@ __all__ = [
     "MuonBlockPolicy",
     "MuonStepStats",
     "adjust_lr",
+    "comm_free_matrices",
     "default_use_muon",
     "muon_block_policy",
     "muon_param_groups",
+    "plan_whole_matrices",
     "zeropower_via_newtonschulz",
 ]
 
@@ -130,117 +142,9 @@ def adjust_lr(lr: float, adjust_lr_fn: str | None, rows: int, cols: int) -> floa
     return lr * ratio
 
 
-def _local(t: Tensor) -> Tensor:
-    return t._local_tensor if isinstance(t, DTensor) else t
-
-
 def _name_of(p: Tensor, fallback: str) -> str:
-    owner = owner_of(p)
-    return owner[1].fqn if owner is not None else fallback
-
-
-# ---------------------------------------------------------------------------------------------
-# The step plan: matrices, roots, rounds (identical on every rank)
-# ---------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class _Matrix:
-    item: int  # index of its parameter among the step's sharded Muon parameters
-    start: int  # first element in the flattened parameter
-    shape: tuple[int, int]  # (rows, cols) of the matrix
-    pieces: tuple[tuple[int, int], ...]  # per rank, [lo, hi) elements of the parameter
-
-    @property
-    def numel(self) -> int:
-        return self.shape[0] * self.shape[1]
-
-    def held(self, rank: int) -> int:
-        lo, hi = self.pieces[rank]
-        return hi - lo
-
-
-@dataclass
-class _Exchange:
-    """One all-to-all of one rank: what it sends and receives, in order."""
-
-    send: list[tuple[int, int]] = field(default_factory=list)  # (matrix, rank of the piece)
-    recv: list[tuple[int, int]] = field(default_factory=list)  # (matrix, rank of the piece)
-    send_splits: list[int] = field(default_factory=list)  # elements per peer
-    recv_splits: list[int] = field(default_factory=list)
-
-
-@dataclass
-class _Round:
-    matrices: list[int]
-    gather: _Exchange
-    scatter: _Exchange | None  # None for the replicated baseline
-
-
-@dataclass
-class _Plan:
-    matrices: list[_Matrix]
-    roots: list[int]
-    load: list[float]  # NS FLOPs per rank
-    local: list[int]  # matrices this rank roots that need no communication
-    rounds: list[_Round]
-
-
-def _exchange(matrices, rnd, me, world, src_ok, dst_ok, piece_rank) -> _Exchange:
-    """Segments of one all-to-all: rank s sends piece ``piece_rank(m, s, d)`` of m to d."""
-    ex = _Exchange()
-    for peer in range(world):
-        n_send = n_recv = 0
-        for i in rnd:
-            m = matrices[i]
-            if peer != me and src_ok(i, me, peer):
-                pr = piece_rank(i, me, peer)
-                if m.held(pr):
-                    ex.send.append((i, pr))
-                    n_send += m.held(pr)
-            if peer != me and dst_ok(i, peer, me):
-                pr = piece_rank(i, peer, me)
-                if m.held(pr):
-                    ex.recv.append((i, pr))
-                    n_recv += m.held(pr)
-        ex.send_splits.append(n_send)
-        ex.recv_splits.append(n_recv)
-    return ex
-
-
-def _build_plan(
-    matrices: list[_Matrix], flops: list[float], world: int, me: int, mode: str, per_round: int
-) -> _Plan:
-    held = [[m.held(r) for r in range(world)] for m in matrices]
-    roots, load = assign_roots(flops, held, world)
-    if mode == "replicated":
-        order = list(range(len(matrices)))
-        chunk = world * per_round
-        rounds = []
-        for k in range(0, len(order), chunk):
-            rnd = order[k : k + chunk]
-
-            def every(i, src, dst):
-                return True
-
-            gather = _exchange(matrices, rnd, me, world, every, every, lambda i, s, d: s)
-            rounds.append(_Round(rnd, gather, None))
-        load = [float(sum(flops))] * world
-        return _Plan(matrices, roots, load, [], rounds)
-    needs_comm = [i for i in range(len(matrices)) if sum(h > 0 for h in held[i]) > 1]
-    local = [i for i in range(len(matrices)) if roots[i] == me and i not in set(needs_comm)]
-    order = sorted(needs_comm, key=lambda i: (-flops[i], i))
-    rounds = []
-    for rnd in plan_rounds(order, roots, world, per_round):
-
-        def to_root(i, src, dst):
-            return dst == roots[i]
-
-        def from_root(i, src, dst):
-            return src == roots[i]
-
-        gather = _exchange(matrices, rnd, me, world, to_root, to_root, lambda i, s, d: s)
-        scatter = _exchange(matrices, rnd, me, world, from_root, from_root, lambda i, s, d: d)
-        rounds.append(_Round(rnd, gather, scatter))
-    return _Plan(matrices, roots, load, local, rounds)
+    found = buffer_of(p)
+    return found[1].fqn if found is not None else fallback
 
 
 @dataclass
@@ -276,7 +180,7 @@ class MuonStepStats:
 # ---------------------------------------------------------------------------------------------
 # The optimizer
 # ---------------------------------------------------------------------------------------------
-class Muon(torch.optim.Optimizer):
+class Muon(FlatAdamW):
     """Muon for matrices and stacks of matrices, AdamW for the rest; RaggedShard-aware.
 
     Parameter groups carry ``use_muon``: ``True`` groups get Muon with the
@@ -288,7 +192,9 @@ class Muon(torch.optim.Optimizer):
     the module passed to it; pass ``muon_param_groups(model)`` to split by full
     names). Parameters sharded by ``fully_shard`` (``RaggedShard`` DTensors) get
     distributed Newton-Schulz, see [Note: distributed Muon]; plain tensors and
-    ``Replicate`` DTensors are whole on every rank and computed there.
+    ``Replicate`` DTensors are whole on every rank and computed there. The AdamW
+    groups step as ``FlatAdamW`` does: a buffer whose trainable parameters are all
+    in AdamW groups steps whole (see [Note: whole-buffer steps] in ``_flat.py``).
 
     Args:
         params: parameters or parameter groups.
@@ -356,7 +262,7 @@ class Muon(torch.optim.Optimizer):
         self.matrices_per_round = matrices_per_round
         self.last_step = MuonStepStats()
         self._plan_key: tuple | None = None
-        self._plan: _Plan | None = None
+        self._plan: StepPlan | None = None
         defaults = dict(
             lr=lr,
             weight_decay=weight_decay,
@@ -400,82 +306,48 @@ class Muon(torch.optim.Optimizer):
                 self.param_groups[-1].pop(k, None)
 
     # ---- step -----------------------------------------------------------------------------
-    @torch.no_grad()
-    def step(self, closure=None):
-        """One step: AdamW on the AdamW groups, distributed Muon on the Muon groups."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        muon = []
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if torch.is_complex(p):
-                    raise NotImplementedError(
-                        f"Muon: parameter {_name_of(p, '?')!r} is complex; Muon and this "
-                        "AdamW support real parameters only"
-                    )
-                if group["use_muon"]:
-                    muon.append((p, group))
-                else:
-                    self._adamw_step(p, group)
+    def _step_items(self, items: list[Item]) -> None:
+        """AdamW on the AdamW groups (``FlatAdamW``), distributed Muon on the Muon groups."""
+        for p, _ in items:
+            if torch.is_complex(p):
+                raise NotImplementedError(
+                    f"Muon: parameter {_name_of(p, '?')!r} is complex; Muon and this "
+                    "AdamW support real parameters only"
+                )
+        self._step_flat([(p, g) for p, g in items if not g["use_muon"]])
         self.last_step = MuonStepStats()
+        muon = [(p, g) for p, g in items if g["use_muon"]]
         if muon:
             self._muon_step(muon)
-        return loss
 
-    def _adamw_step(self, p: Tensor, h: dict) -> None:
-        """torch.optim.AdamW(foreach=False)'s update of one parameter, on its local rows."""
-        state = self.state[p]
-        if not state:
-            state["step"] = torch.tensor(0.0)
-            state["exp_avg"] = _zeros_like(p)
-            state["exp_avg_sq"] = _zeros_like(p)
-        state["step"] += 1
-        lr, (beta1, beta2) = h["lr"], h["betas"]
-        param = _local(p)
-        param.mul_(1 - lr * h["weight_decay"])
-        _adam_math(
-            param,
-            _local(p.grad),
-            _local(state["exp_avg"]),
-            _local(state["exp_avg_sq"]),
-            state["step"].item(),
-            lr,
-            beta1,
-            beta2,
-            h["eps"],
-        )
-
-    def _muon_step(self, items: list[tuple[Tensor, dict]]) -> None:
+    def _muon_step(self, items: list[Item]) -> None:
         stats = self.last_step
         # 1. momentum, Nesterov, weight decay: element-wise on local rows
         inputs: list[Tensor] = []  # per item, its local NS input, flat bf16
         for p, h in items:
             state = self.state[p]
             if "momentum_buffer" not in state:
-                state["momentum_buffer"] = _zeros_like(p)
-            buf, grad = _local(state["momentum_buffer"]), _local(p.grad)
+                zeros = torch.zeros_like(local(p), memory_format=torch.preserve_format)
+                state["momentum_buffer"] = like_param(zeros, p)
+            buf, grad = local(state["momentum_buffer"]), local(p.grad)
             buf.lerp_(grad, 1 - h["momentum"])
             update = grad.lerp(buf, h["momentum"]) if h["nesterov"] else buf
             inputs.append(update.to(_COMM, copy=True).reshape(-1))
-            _local(p).mul_(1 - h["lr"] * h["weight_decay"])
+            local(p).mul_(1 - h["lr"] * h["weight_decay"])
         # 2. whole matrices on every rank (plain tensors, Replicate): no communication
         sharded = []
         for (p, h), x in zip(items, inputs):
             if isinstance(p, DTensor) and isinstance(p.placements[0], RaggedShard):
                 sharded.append((p, h, x))
                 continue
-            local = _local(p)  # the whole parameter, any strides
-            for e, (start, shape) in enumerate(_members(p)):
+            whole = local(p)  # the whole parameter, any strides
+            for e, (start, shape) in enumerate(matrix_members(p.shape)):
                 t0, c0 = time.perf_counter(), time.thread_time()
                 result = self._ns(x[start : start + shape[0] * shape[1]].view(shape), h)
                 stats.ns_seconds += time.perf_counter() - t0
                 stats.ns_cpu_seconds += time.thread_time() - c0
                 stats.ns_flops += ns_flops(*shape, h["ns_steps"])
-                member = local if p.dim() == 2 else local[e]
+                member = whole if p.dim() == 2 else whole[e]
                 member.add_(result, alpha=-adjust_lr(h["lr"], h["adjust_lr_fn"], *shape))
                 stats.matrices += 1
         if sharded:
@@ -484,7 +356,7 @@ class Muon(torch.optim.Optimizer):
     def _ns(self, x: Tensor, h: dict) -> Tensor:
         return zeropower_via_newtonschulz(x, h["ns_coefficients"], h["ns_steps"], h["eps"])
 
-    def _step_plan(self, sharded) -> _Plan:
+    def _step_plan(self, sharded) -> StepPlan:
         mesh = sharded[0][0].device_mesh
         for p, _, _ in sharded:
             if p.device_mesh != mesh:
@@ -499,22 +371,10 @@ class Muon(torch.optim.Optimizer):
             self.matrices_per_round,
         )
         if key != self._plan_key:
-            matrices, flops = [], []
-            for k, (p, h, _) in enumerate(sharded):
-                rs = p.placements[0]
-                row = rs.row_numel(p.shape)
-                ranges = [
-                    tuple(x * row for x in rs.local_row_range(p.shape, r)) for r in range(world)
-                ]
-                for start, shape in _members(p):
-                    stop = start + shape[0] * shape[1]
-                    pieces = []
-                    for lo, hi in ranges:
-                        a, b = max(lo, start), min(hi, stop)
-                        pieces.append((a, b) if b > a else (start, start))
-                    matrices.append(_Matrix(k, start, shape, tuple(pieces)))
-                    flops.append(float(ns_flops(*shape, h["ns_steps"])))
-            self._plan = _build_plan(
+            matrices, flops = plan_matrices(
+                [(tuple(p.shape), p.placements[0], h["ns_steps"]) for p, h, _ in sharded], world
+            )
+            self._plan = build_plan(
                 matrices, flops, world, me, self.distributed, self.matrices_per_round
             )
             self._plan_key = key
@@ -528,6 +388,7 @@ class Muon(torch.optim.Optimizer):
         pg, me = mesh.get_group(0), mesh.get_local_rank(0)
         local_start = [_local_range_start(p, me) for p, _, _ in sharded]
         matrices = plan.matrices
+        device = sharded[0][2].device  # of the NS inputs: the parameters'
 
         def piece(i: int, rank: int, source: Tensor, base: int) -> Tensor:
             lo, hi = matrices[i].pieces[rank]
@@ -541,7 +402,7 @@ class Muon(torch.optim.Optimizer):
             m = matrices[i]
             p, h, _ = sharded[m.item]
             lo, _ = m.pieces[me]
-            _apply(_local(p), lo - local_start[m.item], result, h, m.shape)
+            _apply(local(p), lo - local_start[m.item], result, h, m.shape)
 
         def ns(i: int, full: Tensor) -> Tensor:
             m = matrices[i]
@@ -554,10 +415,10 @@ class Muon(torch.optim.Optimizer):
             stats.rooted += 1
             return out
 
-        def issue(ex: _Exchange, source) -> tuple:
+        def issue(ex: Exchange, source) -> tuple:
             parts = [source(i, r) for i, r in ex.send]
-            send = torch.cat(parts) if parts else torch.empty(0, dtype=_COMM)
-            recv = torch.empty(sum(ex.recv_splits), dtype=_COMM, device=send.device)
+            send = torch.cat(parts) if parts else torch.empty(0, dtype=_COMM, device=device)
+            recv = torch.empty(sum(ex.recv_splits), dtype=_COMM, device=device)
             work = dist.all_to_all_single(
                 recv, send, ex.recv_splits, ex.send_splits, group=pg, async_op=True
             )
@@ -578,16 +439,16 @@ class Muon(torch.optim.Optimizer):
         stats.ns_flops_per_rank = list(plan.load)
         # every gather in flight first; communication-free matrices fill the waits
         gathers = [issue(rnd.gather, own_input) for rnd in plan.rounds]
-        local = list(plan.local)
+        free = list(plan.local)  # communication-free matrices rooted here
 
-        def next_local() -> None:
-            i = local.pop()
+        def next_free() -> None:
+            i = free.pop()
             apply_piece(i, ns(i, own_input(i, me).clone()))
 
         scatters = []
         for rnd, (work, recv, _send) in zip(plan.rounds, gathers):
-            while local and not work.is_completed():
-                next_local()
+            while free and not work.is_completed():
+                next_free()
             wait(work)
             received = _split(recv, rnd.gather.recv, matrices)
             results: dict[int, Tensor] = {}
@@ -595,7 +456,7 @@ class Muon(torch.optim.Optimizer):
                 if rnd.scatter is not None and plan.roots[i] != me:
                     continue
                 m = matrices[i]
-                full = torch.empty(m.numel, dtype=_COMM)
+                full = torch.empty(m.numel, dtype=_COMM, device=device)  # the whole matrix
                 for r in range(len(m.pieces)):
                     lo, hi = m.pieces[r]
                     if hi > lo:
@@ -613,8 +474,8 @@ class Muon(torch.optim.Optimizer):
                 if matrices[i].held(me):
                     lo, hi = matrices[i].pieces[me]
                     apply_piece(i, out[lo - matrices[i].start : hi - matrices[i].start])
-        while local:  # results of this rank's rounds travel back meanwhile
-            next_local()
+        while free:  # results of this rank's rounds travel back meanwhile
+            next_free()
         for rnd, (work, recv, _send) in scatters:
             wait(work)
             for (i, _), part in _split(recv, rnd.scatter.recv, matrices).items():
@@ -631,19 +492,12 @@ def _split(recv: Tensor, segments: list[tuple[int, int]], matrices) -> dict:
     return out
 
 
-def _apply(local: Tensor, offset: int, update: Tensor, h: dict, shape: tuple[int, int]) -> None:
-    """``param -= adjusted_lr * update`` on ``update.numel()`` local elements from ``offset``."""
-    flat = local.view(-1)
+def _apply(param: Tensor, offset: int, update: Tensor, h: dict, shape: tuple[int, int]) -> None:
+    """``param -= adjusted_lr * update`` on ``update.numel()`` elements of the local
+    ``param`` from ``offset``."""
+    flat = param.view(-1)
     lr = adjust_lr(h["lr"], h["adjust_lr_fn"], *shape)
     flat[offset : offset + update.numel()].add_(update, alpha=-lr)
-
-
-def _members(p: Tensor) -> list[tuple[int, tuple[int, int]]]:
-    """``(first element, (rows, cols))`` of each matrix of a 2-D or stacked 3-D parameter."""
-    if p.dim() == 2:
-        return [(0, (p.shape[0], p.shape[1]))]
-    E, rows, cols = p.shape
-    return [(e * rows * cols, (rows, cols)) for e in range(E)]
 
 
 def _local_range_start(p: DTensor, rank: int) -> int:
@@ -651,29 +505,17 @@ def _local_range_start(p: DTensor, rank: int) -> int:
     return rs.local_row_range(p.shape, rank)[0] * rs.row_numel(p.shape)
 
 
-def _zeros_like(p: Tensor) -> Tensor:
-    """Zeros laid out like ``p`` (a DTensor with p's placements over a fresh local tensor)."""
-    if isinstance(p, DTensor):
-        local = torch.zeros_like(p._local_tensor, memory_format=torch.contiguous_format)
-        return DTensor.from_local(
-            local, p.device_mesh, p.placements, shape=p.shape, stride=p.stride()
-        )
-    return torch.zeros_like(p, memory_format=torch.preserve_format)
-
-
 def _check_hyper(group: dict, muon: bool) -> None:
-    kind = "Muon" if muon else "Muon (AdamW group)"
-    if not group["lr"] >= 0.0:
-        raise ValueError(f"{kind}: lr must be >= 0, got {group['lr']}")
-    if not group["weight_decay"] >= 0.0:
-        raise ValueError(f"{kind}: weight_decay must be >= 0, got {group['weight_decay']}")
-    if not group["eps"] >= 0.0:
-        raise ValueError(f"{kind}: eps must be >= 0, got {group['eps']}")
     if not muon:
-        for i, b in enumerate(group["betas"]):
-            if not 0.0 <= b < 1.0:
-                raise ValueError(f"{kind}: betas[{i}] must be in [0, 1), got {b}")
+        check_hyper(
+            "Muon (AdamW group)",
+            lr=group["lr"],
+            eps=group["eps"],
+            betas=group["betas"],
+            weight_decay=group["weight_decay"],
+        )
         return
+    check_hyper("Muon", lr=group["lr"], eps=group["eps"], weight_decay=group["weight_decay"])
     if not group["momentum"] >= 0.0:
         raise ValueError(f"Muon: momentum must be >= 0, got {group['momentum']}")
     if group["adjust_lr_fn"] not in _ADJUST_LR_FNS:
