@@ -21,6 +21,8 @@ custom op handlers                     norms safe on empty shards; in-place rand
 ``DTensor.__create_write_items__``,    DCP boxes of a ragged row range
 ``__create_chunk_list__``,
 ``__get_tensor_shard__``
+``compute_local_shape_and_global_offset``  the box of the rank's rows (trampoline)
+``_state_dict_utils._distribute_tensors``  broadcast_from_rank0 keeps the rank's rows
 =====================================  ==============================================
 
 The patches are installed once, by ``install()``, when this module is imported (as
@@ -39,9 +41,11 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
+import torch.distributed._state_dict_utils as state_dict_utils
 import torch.distributed.tensor._api as dtensor_api
 import torch.distributed.tensor._dispatch as dtensor_dispatch
 import torch.distributed.tensor._redistribute as dtensor_redistribute
+import torch.distributed.tensor._utils as dtensor_utils
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
     MetadataIndex,
@@ -58,6 +62,7 @@ from torch.utils import _pytree as pytree
 from raggedfsdp.placement import RaggedShard
 
 _SUPPORTED_TORCH = ("2.13.",)
+_orig_distribute_tensors = state_dict_utils._distribute_tensors
 aten = torch.ops.aten
 _installed = False
 
@@ -746,6 +751,92 @@ def _get_tensor_shard(self, index):
 
 
 # ---------------------------------------------------------------------------------------------
+# Local shape and offset (torch's checkpoint and state-dict helpers)
+# ---------------------------------------------------------------------------------------------
+_torch_local_shape_and_offset = dtensor_utils.compute_local_shape_and_global_offset
+_orig_local_shape_and_offset = types.FunctionType(
+    _torch_local_shape_and_offset.__code__,
+    _torch_local_shape_and_offset.__globals__,
+    "compute_local_shape_and_global_offset",
+    _torch_local_shape_and_offset.__defaults__,
+    _torch_local_shape_and_offset.__closure__,
+)
+
+
+def _local_shape_and_offset_trampoline(global_shape, mesh, placements, skip_offset=False):
+    # Runs with the globals of torch's tensor._utils, where install() puts the name below.
+    return _raggedfsdp_local_shape_and_offset(  # noqa: F821
+        global_shape, mesh, placements, skip_offset
+    )
+
+
+def _local_shape_and_offset(global_shape, mesh, placements, skip_offset=False):
+    """torch's ``compute_local_shape_and_global_offset``, and for a RaggedShard the box of
+    the rank's rows in the global tensor's dims.
+
+    With ``dims=(0,)`` the rows are always a box ``(rows, *rest)`` at ``(start, 0, ...)``.
+    With several dims (a stack ``[E, out, in]`` cut over ``E * out`` rows) they are a box
+    only when they start and end on member boundaries or stay inside one member.
+
+    Raises:
+        NotImplementedError: rows that are not a box of the global tensor.
+    """
+    found = ragged_axis(placements)
+    if found is None:
+        return _orig_local_shape_and_offset(global_shape, mesh, placements, skip_offset)
+    axis, rs = found
+    rank = mesh.get_local_rank(axis)
+    lo, hi = rs.local_row_range(global_shape, rank)
+    k = len(rs.dims)
+    lead, rest = tuple(global_shape[:k]), tuple(global_shape[k:])
+    inner = math.prod(lead[1:])  # rows per index of dim 0
+    if k == 1:
+        shape, offset = (hi - lo, *rest), (lo,)
+    elif lo % inner == 0 and hi % inner == 0:
+        shape, offset = (hi // inner - lo // inner, *lead[1:], *rest), (lo // inner,)
+    elif k == 2 and (hi == lo or lo // inner == (hi - 1) // inner):
+        shape, offset = (1 if hi > lo else 0, hi - lo, *rest), (lo // inner, lo % inner)
+    else:
+        raise NotImplementedError(
+            f"RaggedShard {rs} of shape {tuple(global_shape)}: rank {rank}'s rows [{lo}, {hi}) "
+            "are not a box of the global tensor; use raggedfsdp.checkpoint, or a block policy "
+            "that keeps whole members (BlockPolicy(rows='whole'))"
+        )
+    offset = (*offset, *([0] * (len(global_shape) - len(offset))))
+    return shape, offset
+
+
+def _distribute_tensors(local_state_dict, keys, device, pg=None):
+    """torch's ``_state_dict_utils._distribute_tensors`` (``set_model_state_dict`` with
+    ``broadcast_from_rank0``): a RaggedShard DTensor takes its rows of the broadcast full
+    tensor; every other entry goes to torch's function."""
+    ragged = []
+    for key in keys:
+        entry = local_state_dict.get(key)
+        if entry is None or torch.is_tensor(entry):
+            continue
+        local_state, full = entry
+        if isinstance(local_state, DTensor) and _is_ragged(local_state._spec):
+            ragged.append(key)
+            axis, rs = ragged_axis(local_state.placements)
+            rank = local_state.device_mesh.get_local_rank(axis)
+            rows = rs.local_view(full.contiguous(), rank)
+            if local_state.is_meta:
+                local_state = DTensor.from_local(
+                    rows.detach().clone(),
+                    local_state.device_mesh,
+                    local_state.placements,
+                    shape=local_state.shape,
+                    stride=local_state.stride(),
+                )
+            else:
+                local_state.to_local().copy_(rows)
+            local_state_dict[key] = local_state
+    rest = [k for k in keys if k not in set(ragged)]
+    return _orig_distribute_tensors(local_state_dict, rest, device, pg)
+
+
+# ---------------------------------------------------------------------------------------------
 # Install
 # ---------------------------------------------------------------------------------------------
 def install() -> None:
@@ -766,6 +857,9 @@ def install() -> None:
     for module in (dtensor_redistribute, dtensor_dispatch, dtensor_api):
         module.redistribute_local_tensor = _redistribute_local_tensor
     _install_propagation()
+    dtensor_utils._raggedfsdp_local_shape_and_offset = _local_shape_and_offset
+    _torch_local_shape_and_offset.__code__ = _local_shape_and_offset_trampoline.__code__
+    state_dict_utils._distribute_tensors = _distribute_tensors
     DTensor.__create_write_items__ = _create_write_items
     DTensor.__create_chunk_list__ = _create_chunk_list
     DTensor.__get_tensor_shard__ = _get_tensor_shard

@@ -143,6 +143,30 @@ def _accumulate_bf16(rank, world, microbatches=8):
         assert torch.equal(p, q)
 
 
+def _load_pretrained_from_rank0(rank, world, model_name):
+    """``set_model_state_dict(full_state_dict=True, broadcast_from_rank0=True)``: rank 0
+    holds the full state dict, the others nothing (the usual pretrained load)."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        set_model_state_dict,
+    )
+
+    mesh = init_device_mesh("cpu", (world,))
+    pretrained = Transformer(get_config(model_name), max_seq_len=SEQ, seed=5).state_dict()
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    for fully_shard in (torch_fsdp.fully_shard, raggedfsdp.fully_shard):
+        model = Transformer(get_config(model_name), max_seq_len=SEQ, seed=0)
+        _shard(fully_shard, model, mesh)
+        full = {k: v.clone() for k, v in pretrained.items()} if rank == 0 else {}
+        set_model_state_dict(model, full, options=options)  # (it rewrites the dict it gets)
+        for name, p in model.named_parameters():
+            assert torch.equal(p.full_tensor(), pretrained[name]), (fully_shard.__module__, name)
+        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+        for name, value in full.items():
+            assert torch.equal(value, pretrained[name]), name
+
+
 def _divide_factor_as_torchtitan(model):
     # torchtitan: sum gradients (its loss is already normalised globally); force_sum:
     # FSDP2 would reduce with PREMUL_SUM, which gloo lacks (torchtitan's CPU shim)
@@ -237,6 +261,12 @@ def _grid(rank, world):
             _against_fsdp2, rank, world, setup=_unshard_embedding_only_for_grads
         ),
         "bf16 accumulation without sync": partial(_accumulate_bf16, rank, world),
+        "set_model_state_dict from rank 0, dense": partial(
+            _load_pretrained_from_rank0, rank, world, "llama-tiny"
+        ),
+        "set_model_state_dict from rank 0, MoE": partial(
+            _load_pretrained_from_rank0, rank, world, "moe-tiny"
+        ),
         "isinstance and register_fsdp_forward_method": partial(
             _check_isinstance_and_helpers, rank, world
         ),
