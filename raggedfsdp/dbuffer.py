@@ -67,9 +67,12 @@ class DBuffer:
         layout: the group's plan (identical on every rank).
         rank: this rank's index on the mesh axis.
         dtype: the dtype of the parameters (shard storage, sharded gradients).
-        device: where the storages live.
+        device: where the global storages live (the compute device).
         compute_dtype: the dtype of the unsharded parameters and their gradients
             (mixed precision ``param_dtype``). Default: ``dtype``.
+        shard_device: where the shard and shard gradient storages live: the CPU under
+            CPU offload. Default: ``device``.
+        pin_memory: pin the shard storages (CPU offload to an accelerator). Default False.
     """
 
     def __init__(
@@ -79,16 +82,21 @@ class DBuffer:
         dtype: torch.dtype,
         device: torch.device,
         compute_dtype: torch.dtype | None = None,
+        shard_device: torch.device | None = None,
+        pin_memory: bool = False,
     ):
         self.layout = layout
         self.rank = rank
         self.dtype = dtype
         self.compute_dtype = compute_dtype or dtype
+        shard_device = device if shard_device is None else shard_device
         S, m = layout.shard_size, layout.world_size
-        self.shard = torch.zeros(S, dtype=dtype, device=device)  # 1D, S elements
+        self.shard = torch.zeros(S, dtype=dtype, device=shard_device)  # 1D, S elements
+        if pin_memory:
+            self.shard = self.shard.pin_memory()
         # 1D, S elements; freed while every sharded .grad is None (after zero_grad), so a
         # forward does not hold gradient memory FSDP2 would not hold either
-        self.shard_grads = FlatStorage(S, dtype, device)
+        self.shard_grads = FlatStorage(S, dtype, shard_device)
         self.global_params = FlatStorage(m * S, self.compute_dtype, device)  # 1D, m*S
         self.global_grads = FlatStorage(m * S, self.compute_dtype, device)  # 1D, m*S
 
@@ -135,7 +143,9 @@ class DBuffer:
             ``(work, input)``: keep ``input`` alive until the work is waited.
         """
         out = self.global_params.alloc()
-        inp = self.shard if self.compute_dtype == self.dtype else self.shard.to(self.compute_dtype)
+        inp = self.shard.to(out.device, non_blocking=True)  # the shard itself unless offloaded
+        if self.compute_dtype != self.dtype:
+            inp = inp.to(self.compute_dtype)  # one cast of the whole shard
         return dist.all_gather_single(out, inp, group=group, async_op=async_op), inp
 
     def reduce_scatter_grads(

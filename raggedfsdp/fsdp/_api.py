@@ -63,8 +63,9 @@ def fully_shard(
             ``Shard(d)`` for ``d > 0`` is refused (NotImplementedError). Default None.
         mp_policy: mixed precision, raggedfsdp's or torch's ``MixedPrecisionPolicy``.
             Default: none.
-        offload_policy: torch's ``OffloadPolicy`` (none) or ``CPUOffloadPolicy``
-            (accepted where the parameters already live on the CPU; see the README).
+        offload_policy: torch's ``OffloadPolicy`` (none) or ``CPUOffloadPolicy``: the
+            sharded parameters, their gradients and the optimizer step on the CPU, the
+            unsharded ones on the mesh's device (see [Note: CPU offload]).
         ignored_params: parameters left as they are (not sharded, not reduced).
         dp_mesh_dims: FSDP2's data-parallel mesh dims; only None (a 1-D mesh).
         block_policy: rows per block, a ``BlockPolicy`` or a callable of
@@ -117,7 +118,17 @@ def fully_shard(
             _check_placement(ref.fqn, shard_placement_fn(p))
     name = type(modules[0]).__name__ + (f" and {len(modules) - 1} more" if len(modules) > 1 else "")
     group = (
-        ParamGroup(refs, originals, mesh, mp_policy, block_policy, alignment_bytes, name=name)
+        ParamGroup(
+            refs,
+            originals,
+            mesh,
+            mp_policy,
+            block_policy,
+            alignment_bytes,
+            name=name,
+            offload=isinstance(offload_policy, CPUOffloadPolicy),
+            pin_memory=getattr(offload_policy, "pin_memory", True),
+        )
         if refs
         else None
     )
@@ -151,14 +162,6 @@ def _check_unsupported(modules, offload_policy, dp_mesh_dims) -> None:
             "fully_shard: offload_policy must be a torch.distributed.fsdp.OffloadPolicy or "
             f"CPUOffloadPolicy, got {type(offload_policy).__name__}"
         )
-    if isinstance(offload_policy, CPUOffloadPolicy):
-        on = {p.device.type for m in modules for p in m.parameters()} - {"cpu", "meta"}
-        if on:
-            raise NotImplementedError(
-                f"fully_shard: CPUOffloadPolicy with parameters on {sorted(on)}: offloading "
-                "accelerator parameters is not implemented; the parameters already on the CPU "
-                "need no offload (move the model to the CPU, or drop the policy)"
-            )
     if dp_mesh_dims is not None:
         raise NotImplementedError(
             "fully_shard: dp_mesh_dims is not supported: raggedfsdp shards over a 1-D mesh; "

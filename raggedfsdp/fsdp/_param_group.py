@@ -109,6 +109,16 @@ class ParamGroup:
         block_policy: rows per block, see ``BlockPolicy``.
         alignment_bytes: planner alignment.
         name: how messages name the group (the module's class).
+        offload: CPU offload (torch's ``CPUOffloadPolicy``): see [Note: CPU offload].
+        pin_memory: pin the offloaded shard storages (with an accelerator).
+
+    [Note: CPU offload]
+    The shard and shard gradient storages (the sharded parameters, their ``.grad``s,
+    hence the optimizer step) live on the CPU; the global storages (unsharded
+    parameters and gradients) on the mesh's device. The all-gather input is one
+    host-to-device copy of the whole shard (then one cast under mixed precision); the
+    reduce-scatter writes a device buffer, copied into the CPU shard gradients when
+    the gradients are finalized. On a CPU mesh both sides are the CPU: nothing moves.
     """
 
     def __init__(
@@ -120,6 +130,8 @@ class ParamGroup:
         block_policy,
         alignment_bytes,
         name: str = "",
+        offload: bool = False,
+        pin_memory: bool = True,
     ):
         self.refs: list[ParamRef] = refs
         self.view = BufferView(self)  # the public handle (raggedfsdp.fsdp.buffers_of)
@@ -137,7 +149,15 @@ class ParamGroup:
                 "one group holds one dtype: cast the module, or fully_shard the parts separately"
             )
         self.dtype = dtypes.pop()
-        self.device = originals[0].device
+        self.device = originals[0].device  # the compute device: the global storages'
+        self.offload = offload
+        shard_device = None
+        if offload:
+            kind = mesh.device_type
+            index = torch.accelerator.current_device_index() if kind != "cpu" else None
+            self.device = torch.device(kind, index) if index is not None else torch.device(kind)
+            shard_device = torch.device("cpu")
+        self.pin_memory = offload and pin_memory and self.device.type != "cpu"
         self.streams = streams_for(self.device)
         self.mp_policy = mp_policy
         self.compute_dtype = mp_policy.param_dtype or self.dtype
@@ -156,7 +176,15 @@ class ParamGroup:
         self.layout = plan_buffer(
             specs, self.world, dtype=self.dtype, alignment_bytes=alignment_bytes
         )
-        self.dbuf = DBuffer(self.layout, self.rank, self.dtype, self.device, self.compute_dtype)
+        self.dbuf = DBuffer(
+            self.layout,
+            self.rank,
+            self.dtype,
+            self.device,
+            self.compute_dtype,
+            shard_device=shard_device,
+            pin_memory=self.pin_memory,
+        )
         for ref, p in zip(refs, originals):
             ref.placement = RaggedShard.from_layout(self.layout, ref.fqn)
             if self.device.type != "meta":
@@ -205,13 +233,24 @@ class ParamGroup:
         current = {ref.fqn: ref.uses[0][0]._parameters[ref.uses[0][1]] for ref in self.refs}
         first = next(iter(current.values()))
         local0 = first._local_tensor if isinstance(first, DTensor) else first
-        if (local0.device, local0.dtype) == (self.dbuf.shard.device, self.dtype):
+        shard_device = torch.device("cpu") if self.offload else local0.device
+        if (shard_device, local0.dtype) == (self.dbuf.shard.device, self.dtype):
             return
-        self.device, self.dtype = local0.device, local0.dtype
+        if not self.offload:
+            self.device = local0.device
+        self.dtype = local0.dtype
         self.streams = streams_for(self.device)
         self.compute_dtype = self.mp_policy.param_dtype or self.dtype
         self.reduce_dtype = self.mp_policy.reduce_dtype or self.compute_dtype
-        self.dbuf = DBuffer(self.layout, self.rank, self.dtype, self.device, self.compute_dtype)
+        self.dbuf = DBuffer(
+            self.layout,
+            self.rank,
+            self.dtype,
+            self.device,
+            self.compute_dtype,
+            shard_device=shard_device,
+            pin_memory=self.pin_memory,
+        )
         for ref in self.refs:
             new = current[ref.fqn]
             self.dbuf.shard_view(ref.fqn).copy_(
@@ -351,7 +390,7 @@ class ParamGroup:
                 "one was still in flight"
             )
         accumulate = earlier is not None or any(ref.sharded.grad is not None for ref in self.refs)
-        direct = not accumulate and self.reduce_dtype == self.dtype
+        direct = not accumulate and self.reduce_dtype == self.dtype and not self.offload
         # The reduce-scatter writes every element (padding too) on the direct path;
         # otherwise only parameters' parts are written: start from zeros.
         self.dbuf.shard_grads.alloc(zero=not direct)
@@ -361,7 +400,9 @@ class ParamGroup:
             output = (
                 self.dbuf.shard_grad
                 if direct
-                else self.dbuf.shard_grad.new_empty(self.layout.shard_size, dtype=self.reduce_dtype)
+                else torch.empty(
+                    self.layout.shard_size, dtype=self.reduce_dtype, device=self.device
+                )
             )
             work, inp = self.dbuf.reduce_scatter_grads(
                 output,

@@ -235,8 +235,14 @@ def _grid(rank, world):
         "torch MixedPrecisionPolicy": partial(
             _against_fsdp2, rank, world, shard_kw={"mp_policy": torch_mp}, tol=1e-5
         ),
-        "torch OffloadPolicy / CPUOffloadPolicy on the CPU": partial(
+        "torch OffloadPolicy": partial(
             _against_fsdp2, rank, world, shard_kw={"offload_policy": torch_fsdp.OffloadPolicy()}
+        ),
+        "torch CPUOffloadPolicy": partial(
+            _against_fsdp2,
+            rank,
+            world,
+            shard_kw={"offload_policy": torch_fsdp.CPUOffloadPolicy(pin_memory=False)},
         ),
         "a list of modules, one group": partial(
             _against_fsdp2, rank, world, shard_kw={"head_group": True}
