@@ -43,6 +43,19 @@ __all__ = [
 _STATE_ATTR = "_raggedfsdp_state"
 
 
+def _not_traced(hook):
+    """Run ``hook`` eagerly under ``torch.compile`` (as FSDP2 does its hooks).
+
+    [Note: hooks and torch.compile]
+    A block compiled with ``fullgraph=True`` (torchtitan compiles each block, then
+    shards it) calls these hooks from its compiled ``_call_impl``: they manage storages
+    (``untyped_storage().resize_``), collectives and Python state that dynamo cannot
+    trace, so dynamo skips them and the compiled region is the module's own compute.
+    """
+
+    return torch._dynamo.disable(hook, recursive=True, reason="raggedfsdp hooks")
+
+
 def state_of(module: nn.Module) -> FSDPState | None:
     """The ``FSDPState`` of a module passed to ``fully_shard``, else None."""
     return module.__dict__.get(_STATE_ATTR)
@@ -166,6 +179,7 @@ class FSDPState:
         return order[i] if 0 <= i < len(order) else None
 
     # ---- forward --------------------------------------------------------------------------
+    @_not_traced
     def _pre_forward(self, module, args, kwargs):
         if not self._forward_pending:  # the first of the group's modules: unshard
             self._group_pre_forward()
@@ -195,6 +209,7 @@ class FSDPState:
         for nxt in self._prefetch_targets(forward=True):
             nxt.group.unshard(async_op=True)
 
+    @_not_traced
     def _post_forward(self, module, args, *kwargs_and_output):
         """Forward hook ``(module, args, kwargs, output)``; torch's
         ``register_fsdp_forward_method`` calls it as ``(module, args, output)``."""
@@ -237,6 +252,7 @@ class FSDPState:
             return output
         return tree_unflatten(flat, spec)
 
+    @_not_traced
     def _pre_backward(self, grad):
         root = self.root
         if not root._callback_queued:
@@ -264,6 +280,7 @@ class FSDPState:
         self._pending_post_backward += 1
         return tree_unflatten(flat, spec)
 
+    @_not_traced
     def _post_backward(self) -> None:
         self._pending_post_backward -= 1
         if self._pending_post_backward == 0 and self.group is not None:
@@ -281,6 +298,7 @@ class FSDPState:
         for group in in_flight[: max(0, len(in_flight) - starting.max_reduces_in_flight + 1)]:
             group.wait_reduce()
 
+    @_not_traced
     def _final_callback(self) -> None:
         """End of backward (root only): reduce the rest, wait, set the sharded grads."""
         for s in self._states:
