@@ -367,8 +367,12 @@ def _check_errors(rank, world):
         NotImplementedError, match=r"aten.mm.default is not supported on a RaggedShard"
     ):
         d @ distribute_tensor(torch.zeros(4, 4), mesh, [Replicate()])
+    # (a Replicate of the same shape is sliced locally: tests/dist/test_dtensor_init_and_replicate)
     with pytest.raises(NotImplementedError, match=r"meets a DTensor of another layout"):
-        d + distribute_tensor(full, mesh, [Replicate()])
+        d + distribute_tensor(full[:1], mesh, [Replicate()])  # broadcast: another shape
+    if world > 1:
+        with pytest.raises(NotImplementedError, match=r"meets a DTensor of another layout"):
+            d + distribute_tensor(full, mesh, [Shard(0)])
     dist.barrier()
 
 
