@@ -51,7 +51,8 @@ def fully_shard(
     Args:
         module: the module to shard, or a list of modules that form one group (they
             unshard before the first of them runs forward, reshard after the last).
-        mesh: a 1-D ``DeviceMesh``. Default: all ranks of the default process group.
+        mesh: a 1-D ``DeviceMesh``, or a 2-D one ``(replicate, shard)`` for HSDP (see
+            [Note: HSDP]). Default: all ranks of the default process group.
         reshard_after_forward: free the unsharded parameters after forward (True),
             keep them until after backward (False), or keep them sharded over groups
             of this many consecutive ranks (an int that divides the mesh size; as in
@@ -76,7 +77,7 @@ def fully_shard(
         ``module`` (or the list), now ``FSDPModule``s.
 
     Raises:
-        ValueError: ``fully_shard`` twice on one module, a mesh that is not 1-D, a
+        ValueError: ``fully_shard`` twice on one module, a mesh that is not 1-D or 2-D, a
             block that does not divide a parameter's rows, a bad policy, a
             parameter shared with another group.
         NotImplementedError: an option raggedfsdp does not support (named).
@@ -106,12 +107,13 @@ def fully_shard(
             "cpu",
         )
         mesh = init_device_mesh(device, (dist.get_world_size(),))
-    if mesh.ndim != 1:
+    if mesh.ndim not in (1, 2):
         raise ValueError(
-            f"fully_shard: mesh must be 1-D, got a {mesh.ndim}-D mesh of shape "
-            f"{tuple(mesh.shape)}; HSDP (a 2-D mesh) is not supported yet"
+            f"fully_shard: mesh must be 1-D (FSDP) or 2-D (replicate, shard: HSDP), got a "
+            f"{mesh.ndim}-D mesh of shape {tuple(mesh.shape)}; pass the data-parallel dims, "
+            "e.g. mesh['dp_replicate', 'dp_shard']"
         )
-    resolve_reshard_after_forward(reshard_after_forward, mesh.size(0))  # raises on bad input
+    resolve_reshard_after_forward(reshard_after_forward, mesh.size(-1))  # raises on bad input
     refs, originals = _collect_params(modules, set(ignored_params or ()))
     if shard_placement_fn is not None:
         for ref, p in zip(refs, originals):
@@ -305,9 +307,12 @@ class FSDPModule(TorchFSDPModule):
             s.set_requires_gradient_sync(requires_gradient_sync)
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
-        """HSDP's all-reduce over the replicate dim; a 1-D mesh has none, so it is kept only."""
+        """HSDP: False skips the all-reduce over the replicate dim (the reduce-scattered
+        gradients accumulate until a backward with it); a 1-D mesh has none."""
         for s in self._fsdp_states(recurse):
             s.requires_all_reduce = bool(requires_all_reduce)
+            if s.group is not None:
+                s.group.requires_all_reduce = bool(requires_all_reduce)
 
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Sum gradients and divide by ``factor`` instead of averaging over ranks."""
@@ -477,7 +482,7 @@ FSDP2_SURFACE: dict[str, str] = {
     "set_post_optim_event": "supported (no-op on the CPU)",
     "set_reduce_scatter_max_input_buffers": "supported",
     "set_reduce_scatter_unused_params": "supported (always on: whole buffers are reduced)",
-    "set_requires_all_reduce": "supported (no all-reduce on a 1-D mesh)",
+    "set_requires_all_reduce": "supported (HSDP; no all-reduce on a 1-D mesh)",
     "set_requires_gradient_sync": "supported",
     "set_reshard_after_backward": "supported",
     "set_reshard_after_forward": "supported",

@@ -9,7 +9,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
 from raggedfsdp.dbuffer import DBuffer
 from raggedfsdp.fsdp._buffers import OWNER_ATTR, BufferView
@@ -104,7 +104,7 @@ class ParamGroup:
     Args:
         refs: the group's parameters (module order).
         originals: the parameters as the module held them (same order).
-        mesh: a 1-D DeviceMesh.
+        mesh: a 1-D DeviceMesh, or 2-D (replicate, shard) for HSDP.
         mp_policy: mixed precision.
         block_policy: rows per block, see ``BlockPolicy``.
         alignment_bytes: planner alignment.
@@ -139,8 +139,16 @@ class ParamGroup:
             f"{name}({', '.join(r.fqn for r in refs[:3])}{', ...' if len(refs) > 3 else ''})"
         )
         self.mesh = mesh
-        self.process_group = mesh.get_group(0)
-        self.rank, self.world = mesh.get_local_rank(0), mesh.size(0)
+        # [Note: HSDP] a 2-D mesh is (replicate, shard): the planner lays the buffer out
+        # for the shard dim; all-gathers and reduce-scatters run over it, then one
+        # all-reduce of the reduced shard gradients over the replicate dim.
+        shard_dim = mesh.ndim - 1
+        self.process_group = mesh.get_group(shard_dim)
+        self.rank, self.world = mesh.get_local_rank(shard_dim), mesh.size(shard_dim)
+        self.replicate_group = mesh.get_group(0) if mesh.ndim == 2 else None
+        self.replicate_size = mesh.size(0) if mesh.ndim == 2 else 1
+        self.requires_all_reduce = True  # HSDP: False skips the all-reduce (accumulation)
+        self._partial_reduce: torch.Tensor | None = None  # 1D, S: reduced, not all-reduced
         dtypes = {p.dtype for p in originals}
         if len(dtypes) != 1:
             raise NotImplementedError(
@@ -205,6 +213,11 @@ class ParamGroup:
         self.all_reduce_hook = None  # called on the reduce-scatter output (set_all_reduce_hook)
         self.reduce_process_group = self.process_group  # or its own (separate RS group)
 
+    def placements(self, ref: ParamRef) -> list:
+        """The sharded parameter's placements: ``[Replicate()]`` on the replicate dim (HSDP),
+        then its RaggedShard."""
+        return [Replicate()] * (self.mesh.ndim - 1) + [ref.placement]
+
     def _expect(self, action: str, *states: ShardedState) -> None:
         if self.state not in states:
             raise AssertionError(
@@ -216,7 +229,9 @@ class ParamGroup:
     def _make_sharded(self, ref: ParamRef) -> None:
         local = self.dbuf.shard_view(ref.fqn)
         stride = torch.empty(ref.shape, device="meta").stride()
-        dt = DTensor.from_local(local, self.mesh, [ref.placement], shape=ref.shape, stride=stride)
+        dt = DTensor.from_local(
+            local, self.mesh, self.placements(ref), shape=ref.shape, stride=stride
+        )
         if ref.sharded is None:
             ref.sharded = nn.Parameter(dt, requires_grad=ref.requires_grad)
         else:  # re-point an existing parameter (after to_empty / _apply), keeping its identity
@@ -390,12 +405,16 @@ class ParamGroup:
                 "one was still in flight"
             )
         accumulate = earlier is not None or any(ref.sharded.grad is not None for ref in self.refs)
-        direct = not accumulate and self.reduce_dtype == self.dtype and not self.offload
+        direct = (
+            not accumulate
+            and self.reduce_dtype == self.dtype
+            and not self.offload
+            and (self.replicate_group is None or self.requires_all_reduce)
+        )
         # The reduce-scatter writes every element (padding too) on the direct path;
         # otherwise only parameters' parts are written: start from zeros.
         self.dbuf.shard_grads.alloc(zero=not direct)
-        avg = self.gradient_divide_factor is None and not self.force_sum_reduction
-        op = dist.ReduceOp.AVG if avg else dist.ReduceOp.SUM
+        op = self._reduce_op()
         with self.streams.reducing():  # see [Note: streams]
             output = (
                 self.dbuf.shard_grad
@@ -415,6 +434,11 @@ class ParamGroup:
         self._reduce = PendingReduce(
             work, output, direct, inp, earlier.output if earlier is not None else None
         )
+
+    def _reduce_op(self):
+        """AVG, unless a divide factor or force-sum asks for SUM (divided in finalize)."""
+        avg = self.gradient_divide_factor is None and not self.force_sum_reduction
+        return dist.ReduceOp.AVG if avg else dist.ReduceOp.SUM
 
     def _accumulate_in_reduce_dtype(self) -> None:
         """Move this microbatch's unsharded gradients into the reduce-dtype accumulator.
@@ -461,6 +485,7 @@ class ParamGroup:
             self._reduce.work.wait()
         self._reduce = None
         self._accumulated = None
+        self._partial_reduce = None
         self.needs_post_backward = False
         for ref in self.refs:
             ref.got_grad = False
@@ -490,10 +515,21 @@ class ParamGroup:
         self._reduce = None
         if earlier is not None:
             output.add_(earlier)
+        if self.replicate_group is not None:  # HSDP, see [Note: HSDP]
+            if not self.requires_all_reduce:  # keep the reduced part; set no gradient yet
+                if self._partial_reduce is None:
+                    self._partial_reduce = output
+                else:
+                    self._partial_reduce.add_(output)
+                return
+            if self._partial_reduce is not None:
+                output.add_(self._partial_reduce)
+                self._partial_reduce = None
+            dist.all_reduce(output, op=self._reduce_op(), group=self.replicate_group)
         if self.gradient_divide_factor is not None:
             output.div_(self.gradient_divide_factor)
         elif self.force_sum_reduction:
-            output.div_(self.world)
+            output.div_(self.world * self.replicate_size)
         if self.all_reduce_hook is not None:
             self.all_reduce_hook(output)
         if not direct and all(ref.sharded.grad is None for ref in self.refs):
@@ -511,7 +547,7 @@ class ParamGroup:
                 ref.sharded_grad = DTensor.from_local(
                     self.dbuf.shard_grad_view(ref.fqn),
                     self.mesh,
-                    [ref.placement],
+                    self.placements(ref),
                     shape=ref.shape,
                     stride=ref.sharded.stride(),
                 )

@@ -131,7 +131,7 @@ class FSDPState:
             ValueError: not a bool, an int or None; an int that is not a factor.
         """
         self._auto_reshard = value is None
-        value, size = resolve_reshard_after_forward(value, self.mesh.size(0), warn=True)
+        value, size = resolve_reshard_after_forward(value, self.mesh.size(-1), warn=True)
         post_forward = _post_forward_group(self.mesh, size) if size is not None else None
         self.reshard_after_forward: bool = value
         if self.group is not None:
@@ -316,6 +316,8 @@ class FSDPState:
                 device=pending[0].device,
             )
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=pending[0].process_group)
+            if pending[0].replicate_group is not None:  # HSDP: a gradient on any replica
+                dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=pending[0].replicate_group)
             flags = flags.bool().tolist()
             for g in pending:
                 n = len(g.refs)
@@ -394,6 +396,11 @@ def resolve_reshard_after_forward(
 
 def _post_forward_group(mesh, size: int) -> PostForwardGroup:
     """This rank's group of ``size`` consecutive ranks of ``mesh`` (``reshard_after_forward``)."""
+    if mesh.ndim != 1:
+        raise NotImplementedError(
+            f"fully_shard: reshard_after_forward={size} on a {mesh.ndim}-D mesh (HSDP) is not "
+            "supported; pass True or False"
+        )
     ranks = mesh.mesh.flatten().tolist()
     mine = None
     for start in range(0, len(ranks), size):

@@ -284,9 +284,9 @@ def _check_errors(rank, world):
     fully_shard(lin, mesh=mesh)
     with pytest.raises(ValueError, match=r"Linear was already passed to fully_shard"):
         fully_shard(lin, mesh=mesh)
-    mesh2 = init_device_mesh("cpu", (world, 1))
-    with pytest.raises(ValueError, match=r"mesh must be 1-D, got a 2-D mesh of shape"):
-        fully_shard(nn.Linear(8, 6), mesh=mesh2)
+    mesh3 = init_device_mesh("cpu", (world, 1, 1))
+    with pytest.raises(ValueError, match=r"mesh must be 1-D \(FSDP\) or 2-D .* got a 3-D mesh"):
+        fully_shard(nn.Linear(8, 6), mesh=mesh3)
     with pytest.raises(
         ValueError,
         match=r"'weight' of shape \(6, 8\) has 6 rows, not a multiple of its block of 4 rows",

@@ -1,0 +1,108 @@
+"""HSDP: ``fully_shard`` on a 2-D ``(replicate, shard)`` mesh of 4 gloo ranks (2 x 2).
+Parameters are ``(Replicate(), RaggedShard)``; all-gathers and reduce-scatters cross
+the shard dim only, one all-reduce per group crosses the replicate dim; per-step
+losses and final parameters equal one process's, and FSDP2's HSDP on the same mesh;
+``set_requires_all_reduce(False)`` accumulates as FSDP2 does."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+import torch.distributed as dist
+import torch.distributed.fsdp as torch_fsdp
+from torch.distributed.tensor import Replicate, init_device_mesh
+
+import raggedfsdp
+from raggedfsdp import RaggedShard
+from raggedfsdp.models import get_config
+from raggedfsdp.models.transformer import Transformer, lm_loss
+from tests.harness import run_cases, spawn
+
+SEQ, STEPS, WORLD = 16, 10, 4
+
+
+def _data():
+    gen = torch.Generator().manual_seed(9)
+    return torch.randint(0, 1001, (STEPS, 2 * WORLD, SEQ + 1), generator=gen)
+
+
+def _train(model, rank, world, *, microbatches=1, setup=lambda m, i: None):
+    opt = torch.optim.SGD(model.parameters(), lr=0.3)
+    losses = []
+    for batch in _data():
+        rows = batch[2 * rank : 2 * rank + 2] if world > 1 else batch
+        total = torch.zeros(())
+        for i in range(microbatches):
+            setup(model, i)
+            x = rows.roll(i, dims=1)
+            loss = lm_loss(model(x[:, :-1]), x[:, 1:]) / microbatches
+            loss.backward()
+            total += loss.detach()
+        opt.step()
+        opt.zero_grad()
+        if world > 1:
+            dist.all_reduce(total)
+        losses.append(total.item() / world)
+    return losses, {k: v.detach() for k, v in model.named_parameters()}
+
+
+def _sharded(fully_shard, name, mesh):
+    model = Transformer(get_config(name), max_seq_len=SEQ, seed=0)
+    for block in model.transformer_blocks():
+        fully_shard(block, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+def _check_parity(name, rank, ref):
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    ours = _sharded(raggedfsdp.fully_shard, name, mesh)
+    p = next(ours.parameters())
+    assert isinstance(p.placements[0], Replicate) and isinstance(p.placements[1], RaggedShard)
+    assert p.placements[1].world_size == 2  # planned for the shard dim
+    losses, params = _train(ours, rank, WORLD)
+    theirs, _ = _train(_sharded(torch_fsdp.fully_shard, name, mesh), rank, WORLD)
+    ref_losses, ref_params = ref
+    for got in (losses, theirs):
+        worst = max(abs(a - b) for a, b in zip(got, ref_losses))
+        assert worst <= 1e-5, f"losses differ from one process by {worst:.3g}"
+    for k, v in params.items():
+        torch.testing.assert_close(v.full_tensor(), ref_params[k], atol=1e-5, rtol=1e-5, msg=k)
+
+
+def _skip_all_reduce_but_last(model, i):
+    model.set_requires_all_reduce(i == 1)
+
+
+def _check_accumulation(rank):
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    results = [
+        _train(
+            _sharded(fs, "llama-tiny", mesh),
+            rank,
+            WORLD,
+            microbatches=2,
+            setup=_skip_all_reduce_but_last,
+        )
+        for fs in (torch_fsdp.fully_shard, raggedfsdp.fully_shard)
+    ]
+    (theirs, their_params), (ours, our_params) = results
+    worst = max(abs(a - b) for a, b in zip(ours, theirs))
+    assert worst <= 1e-6, f"losses differ from FSDP2's by {worst:.3g}"
+    for k, v in our_params.items():
+        torch.testing.assert_close(v.full_tensor(), their_params[k].full_tensor(), msg=k)
+
+
+def _grid(rank, world, refs):
+    cases = {f"{n}": partial(_check_parity, n, rank, refs[n]) for n in refs}
+    cases["set_requires_all_reduce(False) accumulation"] = partial(_check_accumulation, rank)
+    run_cases(cases)
+    dist.barrier()
+
+
+def test_hsdp_parity_with_one_process_and_fsdp2():
+    refs = {}
+    for name in ("llama-tiny", "moe-tiny"):
+        model = Transformer(get_config(name), max_seq_len=SEQ, seed=0)
+        refs[name] = _train(model, 0, 1, setup=lambda m, i: None)
+    spawn(WORLD, _grid, refs, timeout=600)
