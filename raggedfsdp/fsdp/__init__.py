@@ -7,11 +7,12 @@
 from raggedfsdp.fsdp._api import FSDP2_SURFACE, FSDPModule, UnshardHandle, fully_shard
 from raggedfsdp.fsdp._buffers import BufferView, ParamSlice, buffer_of, buffers_of
 from raggedfsdp.fsdp._group_ops import clip_grad_norm_
-from raggedfsdp.fsdp._policy import BlockPolicy, MixedPrecisionPolicy
+from raggedfsdp.fsdp._policy import BlockPolicy, BlockRows, MixedPrecisionPolicy
 
 __all__ = [
     "FSDP2_SURFACE",
     "BlockPolicy",
+    "BlockRows",
     "BufferView",
     "FSDPModule",
     "MixedPrecisionPolicy",

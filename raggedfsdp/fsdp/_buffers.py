@@ -109,6 +109,7 @@ class BufferView:
 
     @property
     def device(self) -> torch.device:
+        """The compute device (the global storages'; the shard's too unless offloaded)."""
         return self._group.device
 
     @property

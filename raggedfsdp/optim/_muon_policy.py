@@ -4,12 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Literal
 
 from torch import Tensor, nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-from raggedfsdp.fsdp import BlockPolicy
+from raggedfsdp.fsdp import BlockPolicy, BlockRows
 from raggedfsdp.optim._muon_plan import WholeMatrixPlan, comm_free_matrices, plan_whole_matrices
 from raggedfsdp.planner import DEFAULT_ALIGNMENT_BYTES, WHOLE, TensorSpec
 
@@ -21,7 +20,6 @@ __all__ = [
     "muon_param_groups",
 ]
 
-BlockRows = int | Literal["whole"]  # a block of fully_shard: rows, or the whole tensor
 
 _ADAMW_NAMES = frozenset({"tok_embeddings", "embed_tokens", "embeddings", "wte", "wpe"})
 _HEAD_NAMES = frozenset({"output", "lm_head"})
