@@ -19,7 +19,8 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from raggedfsdp.checkpoint import _files, _state
-from raggedfsdp.checkpoint._api import _default_group, _Ranks, _wait_pending
+from raggedfsdp.checkpoint._api import _wait_pending
+from raggedfsdp.checkpoint._ranks import Ranks, default_group
 
 __all__ = ["INDEX", "export_safetensors"]
 
@@ -72,7 +73,7 @@ def export_safetensors(
     from safetensors.torch import save_file
 
     _wait_pending()
-    ranks = _Ranks(_default_group(model, process_group))
+    ranks = Ranks(default_group(model, process_group))
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp")
     error = None
@@ -86,7 +87,7 @@ def export_safetensors(
         if len(set(written)) != len(written):
             dup = next(n for n in written if written.count(n) > 1)
             raise ValueError(f"export_safetensors: name_map gives {dup!r} to two tensors")
-    except (ValueError, NotImplementedError) as err:
+    except Exception as err:  # every rank raises it: see [Note: errors reach every rank]
         error = err
     ranks.agree(error)
     if ranks.rank == 0:

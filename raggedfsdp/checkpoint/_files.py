@@ -21,26 +21,46 @@ complete one, whenever the save is killed. Deleting goes the other way: rename t
 ``.step_X.trash`` first (atomic: the checkpoint is gone for readers), then remove
 the files. Only names matching ``step_<digits>`` that hold a marker are checkpoints;
 the marker's checksums let ``load`` detect a file corrupted or truncated later.
+
+Rank 0 holds an exclusive ``flock`` on the root directory from the creation of the
+``.tmp`` directory to the end of the cleanup (``RootLock``). A second live job that
+saves into the same root is refused instead of deleting the first one's ``.tmp``
+directory, and the cleanup only ever removes left-overs of dead jobs: any ``.tmp``
+directory it finds while holding the lock belongs to a save that is no longer running
+(the kernel releases the lock of a killed process).
+
+A root never holds a checkpoint newer than the one being saved: ``save`` refuses a
+step lower than the newest one there (another run's, or a later point of this one),
+since ``load`` would pick that one. So "newest" by step is the order of the run's own
+saves, and ``keep_last`` deletes only its older checkpoints.
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import hashlib
 import json
 import os
 import re
 import shutil
+import socket
+import warnings
 from pathlib import Path
 
 __all__ = [
     "MARKER",
     "CorruptCheckpointError",
+    "RootLock",
+    "check_space",
+    "disk_full",
     "checkpoints",
     "commit",
     "describe",
     "file_digest",
     "read_marker",
     "remove",
+    "space_report",
     "resolve",
     "step_dir",
     "stale_dirs",
@@ -235,3 +255,153 @@ def remove(path: Path, hook=None) -> None:
         if hook is not None:
             hook("cleanup")
     shutil.rmtree(path)
+
+
+# ---- one writer per root ------------------------------------------------------------------
+class RootLock:
+    """An exclusive ``flock`` on the root directory while a save writes, commits, cleans up.
+
+    See [Note: commit protocol]. Used as a context manager by rank 0. The directory
+    itself is locked, so no lock file is left behind. A filesystem without ``flock``
+    on directories (some network filesystems) saves unlocked, with a warning.
+
+    Raises:
+        ValueError: another live process holds the lock.
+    """
+
+    _warned = False
+
+    def __init__(self, root: Path):
+        self.root = Path(root)
+        self._fd: int | None = None
+
+    def __enter__(self) -> RootLock:
+        fd = os.open(self.root, os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as err:
+            os.close(fd)
+            if err.errno in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+                raise ValueError(
+                    f"save: another live process is saving into '{self.root}'; give each job "
+                    "its own checkpoint directory (or wait for that one to end)"
+                ) from None
+            if not RootLock._warned:
+                RootLock._warned = True
+                warnings.warn(
+                    f"save: '{self.root}' cannot be locked ({err.strerror}); two jobs saving "
+                    "into it at once would not be detected",
+                    stacklevel=3,
+                )
+            return self
+        self._fd = fd
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._fd is not None:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            os.close(self._fd)
+            self._fd = None
+
+
+# ---- free space ---------------------------------------------------------------------------
+def _existing(path: Path) -> Path:
+    path = Path(os.path.abspath(path))
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def _mount_point(path: Path) -> Path:
+    while not os.path.ismount(path) and path != path.parent:
+        path = path.parent
+    return path
+
+
+def space_report(root: Path, nbytes: int) -> dict:
+    """What one rank needs and sees: ``nbytes`` to write under ``root``, and its filesystem.
+
+    Returns:
+        ``{"host", "device", "mount", "free", "needed"}`` (``device`` identifies the
+        filesystem on that host).
+    """
+    where = _existing(root)
+    return {
+        "host": socket.gethostname(),
+        "device": os.stat(where).st_dev,
+        "mount": str(_mount_point(where)),
+        "free": shutil.disk_usage(where).free,
+        "needed": int(nbytes),
+    }
+
+
+# Room left beyond the tensors' bytes: DCP's metadata, the marker, pickling overhead.
+_SPACE_MARGIN = 1.01
+_SPACE_SLACK = 1 << 20
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:,.1f} MiB"
+
+
+def check_space(root: Path, reports: list[dict]) -> None:
+    """Raise if a filesystem lacks room for what the ranks writing to it need.
+
+    The same ``reports`` (every rank's ``space_report``) give the same answer on
+    every rank, so all raise or none does.
+
+    Raises:
+        OSError: ``ENOSPC``, naming the filesystem, its free bytes and the bytes needed.
+    """
+    by_fs: dict[tuple, list[dict]] = {}
+    for report in reports:
+        by_fs.setdefault((report["host"], report["device"]), []).append(report)
+    for (host, _), same in by_fs.items():
+        needed = sum(r["needed"] for r in same) * _SPACE_MARGIN + _SPACE_SLACK
+        free = min(r["free"] for r in same)
+        if free < needed:
+            raise OSError(
+                errno.ENOSPC,
+                f"save: not enough space for the checkpoint under '{root}': the filesystem "
+                f"mounted at '{same[0]['mount']}' on {host} has {_mib(free)} free, this "
+                f"checkpoint needs about {_mib(needed)} ({len(same)} rank(s) write there); "
+                "free some space (delete old checkpoints, lower keep_last) or save elsewhere. "
+                "Nothing was written",
+            )
+
+
+def disk_full(error: BaseException, root: Path, needed: int) -> OSError | None:
+    """An ``OSError`` naming the full filesystem if ``error`` (or its causes) is ENOSPC.
+
+    torch's writers report a full disk as a ``RuntimeError`` of its zip writer
+    (``enforce fail at inline_container.cc ... file write failed``); DCP wraps every
+    rank's error in a ``CheckpointException``. Both are searched.
+    """
+    seen, todo = set(), [error]
+    while todo:
+        err = todo.pop()
+        if err is None or id(err) in seen:
+            continue
+        seen.add(id(err))
+        text = str(err)
+        full = isinstance(err, OSError) and err.errno == errno.ENOSPC
+        full = full or "No space left on device" in text
+        if not full and ("inline_container" in text or "write failed" in text):
+            full = shutil.disk_usage(_existing(root)).free < needed * _SPACE_MARGIN
+        if full:
+            where = _existing(root)
+            free = shutil.disk_usage(where).free
+            return OSError(
+                errno.ENOSPC,
+                f"save: the filesystem mounted at '{_mount_point(where)}' on "
+                f"{socket.gethostname()} is full ({_mib(free)} free; this rank's share of the "
+                f"checkpoint is about {_mib(needed)}): the checkpoint under '{root}' was not "
+                "written and the previous one is still the latest; free some space or save "
+                "elsewhere",
+            )
+        todo += [err.__cause__, err.__context__]
+        failures = getattr(err, "failures", None)  # DCP's CheckpointException
+        if isinstance(failures, dict):  # rank -> (exception, stack summary)
+            for failure in failures.values():
+                todo.append(failure[0] if isinstance(failure, tuple) else failure)
+    return None

@@ -14,7 +14,10 @@ DTensors are saved as the global boxes each rank holds and loaded into whatever
 placement the target has (another world size, another block policy), so no rank
 ever holds a whole tensor. Everything that is not a tensor (param groups with FQNs
 for parameter ids, non-tensor state such as a ``None`` momentum, the step and the
-user's extras) is the structure record, ``train_state.pt``, written by rank 0.
+user's extras) is the structure record, ``train_state.pt``, written by rank 0. It also
+names the optimizer's class (``module.QualName``), so that ``load`` refuses, before
+changing anything, an optimizer of another class: its state would not fit, or would
+fit silently and mean something else (AdamW's moments in an SGD).
 """
 
 from __future__ import annotations
@@ -30,7 +33,10 @@ from torch.distributed.tensor import DTensor
 __all__ = [
     "LiveState",
     "check_against",
+    "class_name",
     "collect",
+    "first_nonfinite",
+    "local_nbytes",
     "read_structure",
     "snapshot",
     "stage",
@@ -67,6 +73,8 @@ class LiveState:
         optim_params: FQNs of the optimizer's parameters, one list per param group.
         optim_state: FQN -> {state key: live value} for parameters that have state.
         optim_groups: the optimizer's param groups without their ``params``.
+        optim_class: the optimizer's class as ``module.QualName``.
+        optim_bases: the same for every class of its MRO (a subclass loads its base's).
     """
 
     model: dict[str, Tensor]
@@ -75,6 +83,8 @@ class LiveState:
     optim_params: list[list[str]] | None = None
     optim_state: dict[str, dict] | None = None
     optim_groups: list[dict] | None = None
+    optim_class: str | None = None
+    optim_bases: tuple[str, ...] = ()
 
     def tensors(self) -> dict[str, Tensor]:
         """The flat DCP state dict (see [Note: checkpoint keys])."""
@@ -90,6 +100,7 @@ class LiveState:
         optim = None
         if self.optim_params is not None:
             optim = {
+                "class": self.optim_class,
                 "param_groups": [
                     {**hyper, "params": names}
                     for hyper, names in zip(self.optim_groups, self.optim_params)
@@ -114,6 +125,29 @@ class LiveState:
 
 def _detach(t: Tensor) -> Tensor:
     return t.detach()
+
+
+def class_name(cls: type) -> str:
+    """``module.QualName`` of ``cls``."""
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def first_nonfinite(tensors: dict[str, Tensor]) -> str | None:
+    """The first key whose (local) floating-point tensor holds a nan or an inf, or None.
+
+    One reduction per tensor and one host sync for all of them.
+    """
+    keys = [k for k, t in tensors.items() if _local(t).is_floating_point() and _local(t).numel()]
+    if not keys:
+        return None
+    bad = torch.stack([~torch.isfinite(_local(tensors[k])).all() for k in keys])
+    found = bad.nonzero()
+    return keys[int(found[0, 0])] if found.numel() else None
+
+
+def local_nbytes(tensors: dict[str, Tensor]) -> int:
+    """Bytes this rank writes for ``tensors`` (its local shards)."""
+    return sum(_local(t).numel() * _local(t).element_size() for t in tensors.values())
 
 
 def collect(model: nn.Module, optimizer: torch.optim.Optimizer | None, where: str) -> LiveState:
@@ -157,6 +191,8 @@ def collect(model: nn.Module, optimizer: torch.optim.Optimizer | None, where: st
     live.optim_params = [[index_fqn[i] for i in g["params"]] for g in sd["param_groups"]]
     live.optim_groups = [{k: v for k, v in g.items() if k != "params"} for g in sd["param_groups"]]
     live.optim_state = {index_fqn[i]: dict(state) for i, state in sd["state"].items()}
+    live.optim_class = class_name(type(optimizer))
+    live.optim_bases = tuple(class_name(c) for c in type(optimizer).__mro__)
     return live
 
 
@@ -168,9 +204,9 @@ def structure_bytes(structure: dict, where: str) -> bytes:
             ``torch.load(weights_only=True)`` cannot read back.
     """
     buf = io.BytesIO()
-    torch.save(structure, buf)
-    data = buf.getvalue()
     try:
+        torch.save(structure, buf)  # an object that does not pickle fails here
+        data = buf.getvalue()
         torch.load(io.BytesIO(data), weights_only=True)
     except Exception as err:  # pickle refuses the type; say which and how to fix it
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
@@ -233,6 +269,14 @@ def check_against(live: LiveState, structure: dict, metadata: Metadata, loading_
     saved = structure["optim"]
     if saved is None:
         problems.append("the checkpoint holds no optimizer state; pass optimizer=None")
+        return problems
+    saved_class = saved.get("class")  # None: written before the class was recorded
+    if saved_class is not None and saved_class not in live.optim_bases:
+        problems.append(
+            f"the checkpoint's optimizer is a {saved_class}, this one a {live.optim_class}; "
+            f"build the optimizer as {saved_class.rpartition('.')[2]} (or pass optimizer=None "
+            "to load the model only)"
+        )
         return problems
     saved_groups = [g["params"] for g in saved["param_groups"]]
     if len(saved_groups) != len(live.optim_params):

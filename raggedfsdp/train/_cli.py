@@ -1,24 +1,28 @@
 """``python -m raggedfsdp train``: launch N ranks with torchrun and train a catalogue model.
 
-Arguments are checked here, before any process is spawned (unknown model, a batch
-the world size cannot split, unreadable data); the ranks then run
-``raggedfsdp.train._loop``. The launcher is ``torch.distributed.run`` itself, so
-``--nnodes``/``--node-rank``/``--rdzv-endpoint`` scale the same command to several
-machines.
+Arguments are checked here, before any process is spawned (``_checks``: the launch,
+every number's range, the data, the block size against the model, the run folder);
+then the launcher takes the run folder (``_rundir``: [Note: a run owns its folder])
+and starts the ranks, which run ``raggedfsdp.train._loop``. The launcher is
+``torch.distributed.run`` itself, so ``--nnodes``/``--node-rank``/``--rdzv-endpoint``
+scale the same command to several machines. A failure inside the ranks ends the job
+with their own one-line messages and one line from the launcher (see [Note: how a rank
+fails] in ``_guard``).
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import sys
 from pathlib import Path
 
+from raggedfsdp.train._checks import TRAIN_MODELS, check_args
+
 BACKENDS = ("raggedfsdp", "fsdp2")
 OPTIMIZERS = ("adamw", "flat-adamw", "muon", "adamw8bit", "sgd")
-TRAIN_MODELS = ("llama-tiny", "llama-tiny-tied", "llama-small", "moe-tiny", "moe-small")
+DEFAULT_TIMEOUT_S = 300.0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -44,6 +48,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--nnodes", default="1", help="machines (torchrun --nnodes)")
     g.add_argument("--node-rank", type=int, default=0, help="this machine's rank")
     g.add_argument("--rdzv-endpoint", default=None, help="host:port of the rendezvous (multi-node)")
+    g.add_argument(
+        "--timeout",
+        type=float,
+        default=DEFAULT_TIMEOUT_S,
+        help="seconds a collective may wait for the other ranks before the job stops with "
+        "a message naming it (a stopped or dead rank)",
+    )
     g = p.add_argument_group("optimisation")
     g.add_argument("--optim", default="adamw", choices=OPTIMIZERS, help="optimizer")
     g.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
@@ -67,7 +78,18 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--out", default="out/train", help="directory for metrics, plots, checkpoints")
     g.add_argument("--ckpt-every", type=int, default=0, help="checkpoint every K steps (0: off)")
     g.add_argument("--keep-last", type=int, default=2, help="checkpoints to keep")
-    g.add_argument("--resume", action="store_true", help="resume from the latest checkpoint")
+    g.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the run in --out from its latest checkpoint (the arguments that "
+        "decide its numbers must be the run's)",
+    )
+    g.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="start a new run in an --out that holds something else (deletes another run's "
+        "checkpoints and metrics)",
+    )
     g.add_argument(
         "--stop-after",
         type=int,
@@ -79,75 +101,58 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def check_args(args: argparse.Namespace) -> None:
-    """Raise ValueError for arguments that would fail inside the ranks."""
-    from raggedfsdp.models import CATALOGUE
-
-    if args.model not in TRAIN_MODELS:
-        known = ", ".join(TRAIN_MODELS)
-        hint = " (a catalogue shape, too big to train here)" if args.model in CATALOGUE else ""
-        raise ValueError(f"train: unknown --model {args.model!r}{hint}; choose one of {known}")
-    world = args.nproc * int(args.nnodes)
-    if args.nproc < 1:
-        raise ValueError(f"train: --nproc must be >= 1, got {args.nproc}")
-    if args.batch_size % world:
-        raise ValueError(
-            f"train: --batch-size {args.batch_size} is not divisible by the world size {world} "
-            f"(--nproc {args.nproc} x --nnodes {args.nnodes}); use a multiple of {world}"
-        )
-    raf = args.reshard_after_forward.lower()
-    if raf not in ("auto", "true", "false"):
-        if not raf.isdigit() or world % int(raf):
-            raise ValueError(
-                "train: --reshard-after-forward must be auto, true, false or a factor of the "
-                f"world size {world}, got {args.reshard_after_forward!r}"
-            )
-    if args.block_rows != "whole" and not (args.block_rows.isdigit() and int(args.block_rows) > 0):
-        raise ValueError(
-            f"train: --block-rows must be a positive int or 'whole', got {args.block_rows!r}"
-        )
-    if args.backend == "fsdp2" and args.optim in ("flat-adamw", "muon", "adamw8bit"):
-        raise ValueError(f"train: --optim {args.optim} runs on the raggedfsdp backend only")
-    for name in ("steps", "seq_len"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"train: --{name.replace('_', '-')} must be >= 1")
-    for package, option, what in (
-        ("tqdm", "--no-progress", "the progress bar"),
-        ("matplotlib", "--no-plot", "the loss plot"),
-    ):
-        wanted = not getattr(args, option[2:].replace("-", "_"))
-        if wanted and importlib.util.find_spec(package) is None:
-            raise ValueError(
-                f"train: {what} needs {package}, which is not installed; install the "
-                f"application's extra (pip install 'raggedfsdp[train]') or pass {option}"
-            )
-    from raggedfsdp.train.data import DataConfig, load_corpus
-
-    load_corpus(DataConfig(path=args.data, max_bytes=args.max_bytes))  # raises on bad data
-
-
 def main(argv: list[str]) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        check_args(args)
+        _, digest = check_args(args)
     except ValueError as e:
         parser.error(str(e))
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    args_file = Path(args.out) / "args.json"
-    args_file.write_text(json.dumps(vars(args), indent=1))
-    from torch.distributed.run import main as torchrun
+    from raggedfsdp.train._rundir import OutLock, check_out, prepare
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    lock = OutLock(out)
+    if args.node_rank == 0:  # node 0 owns the run folder; see [Note: a run owns its folder]
+        try:
+            lock.acquire()
+            check_out(args, digest)  # again, holding the folder: a job may have ended since
+        except ValueError as e:
+            lock.release()
+            parser.error(str(e))
+        prepare(args, digest)
+    try:
+        return _launch(args)
+    finally:
+        lock.release()
+
+
+def _launch(args) -> int:
+    """Start the ranks through torchrun; 0 when they all succeed, else 1 (and say so)."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    from raggedfsdp.train._guard import ARGS_ENV, LAUNCHER_PID
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ[ARGS_ENV] = json.dumps(vars(args))  # checked: the ranks read, never parse
+    os.environ[LAUNCHER_PID] = str(os.getpid())  # the ranks die with this process
     launch = [f"--nproc-per-node={args.nproc}", f"--nnodes={args.nnodes}"]
     if args.rdzv_endpoint:
         launch += [f"--node-rank={args.node_rank}", f"--rdzv-endpoint={args.rdzv_endpoint}"]
         launch += ["--rdzv-backend=c10d"]
     else:
         launch += ["--standalone"]
-    # The ranks read the checked arguments from args.json (a positional path: nothing
-    # for torchrun's own option parser to mistake for one of its options).
-    torchrun([*launch, "-m", "raggedfsdp.train._loop", str(args_file)])
+    try:
+        run(parse_args([*launch, "-m", "raggedfsdp.train._loop"]))
+    except ChildFailedError as err:
+        rank, failure = err.get_first_failure()
+        print(
+            f"train: failed: rank {rank} exited with code {failure.exitcode} (its message is "
+            f"above); the checkpoints in '{Path(args.out) / 'ckpt'}' are complete",
+            file=sys.stderr,
+        )
+        return 1
     return 0
 
 

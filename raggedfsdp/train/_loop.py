@@ -2,7 +2,18 @@
 
 Writes, on rank 0, ``metrics.jsonl`` (one line per step, plus validation lines),
 ``summary.json`` (throughput, memory, communication, copies, padding of the run)
-and ``loss.png``.
+and ``loss.png``; every rank writes its shards of the checkpoints under ``ckpt/``.
+The arguments come from the launcher, already checked, in ``RAGGEDFSDP_TRAIN_ARGS``.
+
+[Note: non-finite steps]
+A diverged run must neither train on nor overwrite its good checkpoints. Each step
+already all-reduces its loss for the log and reads it on the host; one more element
+rides along, this rank's "some gradient is nan or inf" flag (computed on the device,
+no sync), so every rank learns in the same collective and the same host read whether
+any rank saw a non-finite loss or gradient, and all stop together with one message
+naming the step, before that step's state is saved. ``checkpoint.save`` itself
+refuses a non-finite state (the parameters after the update may overflow although
+the loss and gradients were finite), so no path writes one.
 """
 
 from __future__ import annotations
@@ -14,16 +25,28 @@ import os
 import statistics
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import init_device_mesh
+from torch.distributed import distributed_c10d
+from torch.distributed.tensor import DTensor, init_device_mesh
 
 from raggedfsdp.models import get_config
 from raggedfsdp.models.transformer import Transformer, lm_loss
 from raggedfsdp.profiling import measure_step
+from raggedfsdp.train._guard import (
+    ARGS_ENV,
+    TrainError,
+    Where,
+    collective_failure,
+    die_with_launcher,
+)
+from raggedfsdp.train._guard import report as report_error
+from raggedfsdp.train._policy import block_policy
+from raggedfsdp.train._rundir import CKPT, trim_metrics
 from raggedfsdp.train.data import DataConfig, get_batch, load_corpus
 from raggedfsdp.train.report import plot_losses
 
@@ -36,10 +59,10 @@ def _shard(model: Transformer, args, mesh) -> None:
 
         kw = dict(mesh=mesh, reshard_after_forward=raf)
     else:
-        from raggedfsdp import BlockPolicy, MixedPrecisionPolicy, fully_shard
+        from raggedfsdp import MixedPrecisionPolicy, fully_shard
 
-        rows = args.block_rows if args.block_rows == "whole" else int(args.block_rows)
-        kw = dict(mesh=mesh, reshard_after_forward=raf, block_policy=BlockPolicy(rows=rows))
+        policy = block_policy(args, model, mesh.size(0))
+        kw = dict(mesh=mesh, reshard_after_forward=raf, block_policy=policy)
     if args.bf16:
         kw["mp_policy"] = MixedPrecisionPolicy(
             param_dtype=torch.bfloat16, reduce_dtype=torch.float32
@@ -49,18 +72,33 @@ def _shard(model: Transformer, args, mesh) -> None:
     fully_shard(model, **kw)
 
 
+def _decay_groups(params, weight_decay: float, **hyper) -> list[dict]:
+    """Matrices with weight decay, vectors (norms, biases) without; empty groups left out."""
+    decay = [p for p in params if p.dim() >= 2]
+    rest = [p for p in params if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": weight_decay, **hyper}]
+    groups.append({"params": rest, "weight_decay": 0.0, **hyper})
+    return [g for g in groups if g["params"]]
+
+
 def _optimizer(model: nn.Module, args) -> torch.optim.Optimizer:
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    rest = [p for p in model.parameters() if p.dim() < 2]
-    groups = [{"params": decay}, {"params": rest, "weight_decay": 0.0}]
+    """The optimizer of ``--optim``; its block policy is ``_policy.block_policy``."""
+    groups = _decay_groups(list(model.parameters()), args.weight_decay)
     if args.optim == "adamw":
         return torch.optim.AdamW(groups, lr=args.lr, weight_decay=args.weight_decay, foreach=True)
     if args.optim == "sgd":
         return torch.optim.SGD(model.parameters(), lr=args.lr)
-    from raggedfsdp.optim import AdamW, AdamW8bit, Muon
+    from raggedfsdp.optim import AdamW, AdamW8bit, Muon, muon_param_groups
 
-    if args.optim == "muon":
-        return Muon(model.named_parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    if args.optim == "muon":  # matrices to Muon; embeddings, head and vectors to AdamW
+        split = []
+        for g in muon_param_groups(model, lr=args.lr):
+            if g["use_muon"]:
+                split.append({**g, "weight_decay": args.weight_decay})
+            else:
+                hyper = {k: v for k, v in g.items() if k not in ("params", "weight_decay")}
+                split += _decay_groups(g["params"], args.weight_decay, **hyper)
+        return Muon(split, lr=args.lr, weight_decay=args.weight_decay)
     flat = {"flat-adamw": AdamW, "adamw8bit": AdamW8bit}[args.optim]
     return flat(groups, lr=args.lr, weight_decay=args.weight_decay)
 
@@ -101,26 +139,78 @@ def _clip(model, args):
         clip_grad_norm_(model.parameters(), args.clip)
 
 
-def main(argv: list[str]) -> int:
-    (args_file,) = argv
-    args = argparse.Namespace(**json.loads(Path(args_file).read_text()))
-    dist.init_process_group("gloo")
+def _grads_finite(model: nn.Module, device) -> torch.Tensor:
+    """0-d bool: every gradient this rank holds is finite (no host sync)."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    flags = [torch.isfinite(g.to_local() if isinstance(g, DTensor) else g).all() for g in grads]
+    return torch.stack(flags).all() if flags else torch.ones((), dtype=torch.bool, device=device)
+
+
+def _finite_or_none(value):
+    """JSON has no nan / inf: a non-finite number is written as null."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite_or_none(v) for k, v in value.items()}
+    return value
+
+
+def _dumps(record: dict, **kw) -> str:
+    return json.dumps(_finite_or_none(record), allow_nan=False, **kw)
+
+
+def _checkpoint_error(err: Exception, what: str) -> Exception:
+    """An error of ``checkpoint.save`` / ``load``, raised alike on every rank: printed once.
+
+    A collective that timed out is this rank's own failure and keeps its own report.
+    """
+    if collective_failure(err):
+        return err
+    return TrainError(f"{what}: {err}")
+
+
+def _diverged(step: int, loss: float, grads_bad: bool, ckpt_root: Path) -> TrainError:
+    from raggedfsdp.checkpoint import latest_checkpoint
+
+    what = f"the loss is {loss}" if not math.isfinite(loss) else "a gradient holds nan or inf"
+    latest = latest_checkpoint(ckpt_root)
+    kept = (
+        f"the last checkpoint, '{latest}', holds finite values"
+        if latest is not None
+        else "no checkpoint was saved (--ckpt-every)"
+    )
+    return TrainError(
+        f"step {step}: {what}: the run diverged and stopped; the state of this step was not "
+        f"saved, {kept}. Start again with a lower --lr or a --clip (--overwrite, or another --out)"
+    )
+
+
+def _train(args, where: Where) -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1)
     out = Path(args.out)
+    ckpt_root = out / CKPT
     mesh = init_device_mesh("cpu", (world,))
+    where.mesh_group = where.group = mesh.get_group(0)
     corpus = load_corpus(DataConfig(path=args.data, max_bytes=args.max_bytes))
     model = Transformer(get_config(args.model), max_seq_len=args.seq_len, seed=args.seed)
     _shard(model, args, mesh)
+    where.watch(model)
     opt = _optimizer(model, args)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(args))
+    from raggedfsdp import checkpoint as ckpt
+
     start = 0
-    if args.resume or args.ckpt_every:
-        from raggedfsdp import checkpoint as ckpt
     if args.resume:
-        start, _ = ckpt.load(out / "ckpt", model, opt)
+        where.at("loading the checkpoint")
+        try:
+            start, _ = ckpt.load(ckpt_root, model, opt)
+        except Exception as err:
+            raise _checkpoint_error(err, f"--resume: the checkpoint in '{ckpt_root}'") from err
         for _ in range(start):
             sched.step()
+    if rank == 0 and args.resume:
+        trim_metrics(out / "metrics.jsonl", start)
 
     def batch(step, split="train"):
         data = corpus.train if split == "train" else corpus.val
@@ -135,14 +225,19 @@ def main(argv: list[str]) -> int:
         )
 
     def one_step(step):
+        where.at("forward", step)
         x, y = batch(step)
         loss = lm_loss(model(x), y)
+        where.at("backward (gradient reduce-scatter)", step)
         loss.backward()
+        finite = _grads_finite(model, loss.device)
+        where.at("gradient clipping (norm all-reduce)", step)
         _clip(model, args)
+        where.at("optimizer step", step)
         opt.step()
         opt.zero_grad()
         sched.step()
-        return loss.detach()
+        return loss.detach(), finite
 
     def mean(value: torch.Tensor) -> float:
         value = value.clone()
@@ -157,25 +252,43 @@ def main(argv: list[str]) -> int:
         bar = tqdm(total=args.steps, initial=start, desc=f"{args.backend} {args.model}")
     tokens = args.batch_size * args.seq_len
     times = []
+    loss = math.nan
     end = min(args.steps, start + args.stop_after) if args.stop_after else args.steps
     for step in range(start, end):
         t0 = time.perf_counter()
-        loss = mean(one_step(step))
+        local_loss, finite = one_step(step)
+        # See [Note: non-finite steps]: the flag rides in the loss all-reduce.
+        where.at("the loss all-reduce", step, group=dist.group.WORLD)
+        stats = torch.stack([local_loss.float(), (~finite).float()])
+        dist.all_reduce(stats)
+        loss_sum, bad = stats.tolist()
+        loss = loss_sum / world
         dt = time.perf_counter() - t0
         times.append(dt)
         record = {"step": step, "loss": loss, "lr": sched.get_last_lr()[0], "step_time": dt}
         record["tokens_per_s"] = tokens / dt
-        if args.val_every and (step + 1) % args.val_every == 0 or step + 1 == args.steps:
+        if bad or not math.isfinite(loss):
+            if rank == 0:
+                log.write(_dumps({**record, "non_finite": True}) + "\n")
+                log.close()
+            raise _diverged(step, loss, bool(bad), ckpt_root)
+        if args.ckpt_every and ((step + 1) % args.ckpt_every == 0 or step + 1 == end):
+            where.at("checkpoint save", step)
+            try:
+                ckpt.save(ckpt_root, model, opt, step=step + 1, keep_last=args.keep_last)
+            except Exception as err:
+                raise _checkpoint_error(err, f"step {step}: the checkpoint was not saved") from err
+        if args.val_every and ((step + 1) % args.val_every == 0 or step + 1 == args.steps):
+            where.at("validation forward", step)
             with torch.no_grad():
                 vals = [
                     lm_loss(model(x), y)
                     for x, y in (batch(i, "val") for i in range(args.val_batches))
                 ]
+            where.at("the validation loss all-reduce", step, group=dist.group.WORLD)
             record["val_loss"] = mean(torch.stack(vals).mean())
-        if args.ckpt_every and ((step + 1) % args.ckpt_every == 0 or step + 1 == end):
-            ckpt.save(out / "ckpt", model, opt, step=step + 1, keep_last=args.keep_last)
         if rank == 0:
-            log.write(json.dumps(record) + "\n")
+            log.write(_dumps(record) + "\n")
             log.flush()
             if bar is not None:
                 bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens / dt:,.0f}")
@@ -187,6 +300,7 @@ def main(argv: list[str]) -> int:
     # first, so the measured one starts where a training step does (after a backward,
     # not after the no-grad validation forward, which leaves FSDP2's root unsharded).
     one_step(args.steps)
+    where.at("measuring a step", args.steps + 1)
     measured = measure_step(model, lambda: one_step(args.steps + 1), args.backend)
     steady = times[min(5, len(times) - 1) :] or times
     summary = {
@@ -201,11 +315,12 @@ def main(argv: list[str]) -> int:
         "final_loss": loss,
         **measured,
     }
+    where.at("gathering the summary", group=dist.group.WORLD)
     gathered = [None] * world
     dist.all_gather_object(gathered, measured)
     if rank == 0:
         summary["peak_memory_bytes_max_rank"] = max(g.get("peak_memory_bytes", 0) for g in gathered)
-        (out / "summary.json").write_text(json.dumps(summary, indent=1))
+        (out / "summary.json").write_text(_dumps(summary, indent=1))
         log.close()
         if not args.no_plot:
             plot_losses({args.backend: out / "metrics.jsonl"}, out / "loss.png", args.model)
@@ -213,12 +328,31 @@ def main(argv: list[str]) -> int:
     return 0
 
 
+def main() -> int:
+    """Run this rank; return its exit code (see [Note: how a rank fails] in ``_guard``)."""
+    die_with_launcher()
+    args = argparse.Namespace(**json.loads(os.environ[ARGS_ENV]))
+    where = Where()
+    timeout = timedelta(seconds=args.timeout)
+    # Groups made later without a timeout (fully_shard's post-forward groups, a separate
+    # reduce-scatter group) take torch's default (30 min for gloo), not the one given
+    # here: make --timeout that default too.
+    distributed_c10d.default_pg_timeout = timeout
+    dist.init_process_group("gloo", timeout=timeout)
+    try:
+        return _train(args, where)
+    except Exception as err:
+        report_error(err, dist.get_rank(), where, args.timeout)
+        return 1
+
+
 if __name__ == "__main__":
-    code = main(sys.argv[1:])
+    code = main()
     # Leave without interpreter teardown: gloo's worker threads may still hold work
     # objects whose tensors need the GIL, and finalization then aborts the process
     # (SIGABRT, "terminate called without an active exception"; pytorch/pytorch#179291).
-    # Everything is written and the process group destroyed by now.
+    # Everything is written and the process group destroyed by now (or, after a
+    # failure, cannot be: a peer may be gone).
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

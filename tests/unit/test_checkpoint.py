@@ -281,13 +281,18 @@ def test_load_optimizer_mismatches(tmp_path):
             r"param group 0: parameters not in the optimizer \['emb.weight'\]",
         ),
         "other state": (
+            torch.optim.AdamW([{"params": decay}, {"params": [model.lin.bias]}], amsgrad=True),
+            r"optimizer state 'lin.weight' has keys \['exp_avg', 'exp_avg_sq', 'max_exp_avg_sq', "
+            r"'step'\], the checkpoint \['exp_avg', 'exp_avg_sq', 'step'\]",
+        ),
+        "other class": (
             torch.optim.SGD([{"params": decay}, {"params": [model.lin.bias]}], lr=1, momentum=0.9),
-            r"optimizer state 'lin.weight' has keys \['momentum_buffer'\], the checkpoint "
-            r"\['exp_avg', 'exp_avg_sq', 'step'\]",
+            r"the checkpoint's optimizer is a torch.optim.adamw.AdamW, this one a "
+            r"torch.optim.sgd.SGD; build the optimizer as AdamW",
         ),
     }
     for name, (target_opt, message) in cases.items():
-        if name == "other state":
+        if name in ("other state", "other class"):
             _step(model, target_opt, 1)
         before = _snapshot(model, target_opt)
         with pytest.raises(ValueError, match=message):

@@ -41,15 +41,79 @@ def test_help_documents_every_option(capsys):
         ),
         (["--data", "/nonexistent/corpus.txt"], r"/nonexistent/corpus.txt"),
         (["--nproc", "0"], r"--nproc must be >= 1"),
+        # issue 12, item 7: each of these used to fail inside the ranks, 10-17 s in
+        (["--batch-size", "0"], r"--batch-size must be >= 1, got 0"),
+        (["--keep-last", "0"], r"--keep-last must be >= 1, got 0"),
+        (["--val-batches", "0"], r"--val-batches must be >= 1, got 0"),
+        (["--stop-after", "-5"], r"--stop-after must be >= 0, got -5"),
+        (["--clip", "-1"], r"--clip must be a finite number >= 0, got -1.0"),
+        (["--lr", "nan"], r"--lr must be a finite number >= 0, got nan"),
+        (["--timeout", "0"], r"--timeout must be a number of seconds > 0"),
+        (["--nnodes", "0"], r"--nnodes must be an int >= 1, got '0'"),
+        (["--nnodes", "2"], r"--nnodes 2 needs --rdzv-endpoint host:port"),
+        (
+            ["--nnodes", "2", "--node-rank", "2", "--rdzv-endpoint", "node0:29400"],
+            r"--node-rank must be in \[0, 2\) for --nnodes 2, got 2",
+        ),
+        (["--reshard-after-forward", "0"], r"must be auto, true, false or a factor"),
+        (
+            ["--block-rows", "7"],
+            r"--block-rows 7 does not divide the 96 rows of 'layers.0.attention.wq.weight' "
+            r"\(shape \(96, 96\)\) of llama-tiny; pass a block that divides every parameter's "
+            r"rows \(here: 1\) or 'whole'",
+        ),
+        (["--block-rows", "32", "--model", "moe-tiny"], r"does not divide the 1001 rows"),
+        (["--backend", "fsdp2", "--block-rows", "4"], r"--block-rows applies to the raggedfsdp"),
+        (["--resume", "--overwrite"], r"--resume continues the run in --out, --overwrite"),
+        (["--resume"], r"--resume: '.*out' holds no run \(run.json is missing\), nothing to"),
     ],
 )
 def test_bad_arguments_fail_before_any_spawn(argv, match, capsys, tmp_path):
     with pytest.raises(SystemExit) as exit_:
-        main([*argv, "--out", str(tmp_path / "out")])
+        main([*argv, "--max-bytes", "100000", "--out", str(tmp_path / "out")])
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert re.search(match, err), err
     assert not (tmp_path / "out").exists()  # nothing written, nothing launched
+
+
+@pytest.mark.parametrize(
+    "data, argv, match",
+    [
+        # a binary file used to train silently (the NUL check covered folders only)
+        (b"\x7fELF\x00\x01" * 500, [], r"--data '.*corpus' is not text \(it holds NUL bytes"),
+        # data shorter than a sequence
+        (b"x" * 12, ["--val-every", "0"], r"the training split of .* has \d+ bytes, fewer "
+         r"than --seq-len \+ 1 = 17"),
+        # a validation split too small: an error before training, not after it
+        (b"x" * 150, [], r"the validation split .* has 15 bytes, fewer than --seq-len \+ 1 = 17; .*"
+         r"or --val-every 0"),
+    ],
+)  # fmt: skip
+def test_bad_data_fails_before_any_spawn(data, argv, match, capsys, tmp_path):
+    (tmp_path / "corpus").write_bytes(data)
+    with pytest.raises(SystemExit) as exit_:
+        main(["--data", str(tmp_path / "corpus"), "--seq-len", "16", *argv,
+              "--out", str(tmp_path / "out")])  # fmt: skip
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert re.search(match, err), err
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_folder_of_another_run_or_of_anything_is_refused(capsys, tmp_path):
+    """Issue 12, item 1: a new run into a non-empty --out is refused unless --overwrite
+    (the CLI tests of tests/dist/test_reliability_cli.py cover the runs themselves)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(SystemExit) as exit_:
+        main(["--max-bytes", "100000", "--out", str(out)])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert re.search(r"--out '.*out' is not empty: it holds files of something else. Pass "
+                     r"--resume .*--overwrite .*or another --out", err), err  # fmt: skip
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
 
 
 def test_a_missing_application_package_names_the_extra(monkeypatch, capsys, tmp_path):
