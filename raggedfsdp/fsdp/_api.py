@@ -196,13 +196,20 @@ def _collect_params(
         for name, p in mod._parameters.items():
             if p is None or p in ignored:
                 continue
-            moved = getattr(p, _MOVED_ATTR, None) or _sharded_by(p)
-            if moved is not None:
+            moved = getattr(p, _MOVED_ATTR, None)
+            if moved is not None:  # the original of a parameter another group replaced
                 raise ValueError(
                     f"fully_shard: parameter {prefix + name!r} is also {moved[1]!r} of "
                     f"{moved[0]}, which another fully_shard call already sharded; a parameter "
                     "shared by two groups would become two copies that drift apart: "
                     "fully_shard the modules' common parent instead of each of them"
+                )
+            owner = _sharded_by(p)
+            if owner is not None:  # already sharded: fully_shard(root) came before this call
+                raise ValueError(
+                    f"fully_shard: parameter {prefix + name!r} is already sharded, as "
+                    f"{owner[1]!r} of {owner[0]}; apply fully_shard bottom-up: each block "
+                    "first, then the root"
                 )
             if id(p) in refs:
                 refs[id(p)].uses.append((mod, name))  # tied: one parameter, several places

@@ -32,8 +32,9 @@ from __future__ import annotations
 import contextlib
 
 import torch
+import torch.distributed as dist
 
-__all__ = ["DeviceStreams", "streams_for"]
+__all__ = ["DeviceStreams", "new_group_like", "streams_for"]
 
 
 class DeviceStreams:
@@ -104,3 +105,16 @@ def streams_for(device: torch.device) -> DeviceStreams:
     if device not in _STREAMS:
         _STREAMS[device] = DeviceStreams(device)
     return _STREAMS[device]
+
+
+def new_group_like(ranks: list[int], parent) -> dist.ProcessGroup:
+    """``dist.new_group(ranks)`` with the timeout of ``parent`` (torch's default otherwise
+    waits 30 minutes, whatever ``init_process_group(timeout=)`` said)."""
+    timeout = None
+    for device in getattr(parent, "_device_types", ()):
+        try:
+            timeout = parent._get_backend(device).options._timeout
+            break
+        except (AttributeError, RuntimeError):
+            continue
+    return dist.new_group(ranks, timeout=timeout)

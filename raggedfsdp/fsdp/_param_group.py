@@ -13,7 +13,7 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from raggedfsdp.dbuffer import DBuffer
 from raggedfsdp.fsdp._buffers import OWNER_ATTR, BufferView
-from raggedfsdp.fsdp._device import streams_for
+from raggedfsdp.fsdp._device import new_group_like, streams_for
 from raggedfsdp.fsdp._policy import MixedPrecisionPolicy, resolve_block_rows
 from raggedfsdp.fsdp._state import PostForwardGroup
 from raggedfsdp.placement import RaggedShard
@@ -472,7 +472,7 @@ class ParamGroup:
         """Reduce-scatter over a process group of its own (the same ranks), or the shared one."""
         if enable and self.reduce_process_group is self.process_group:
             ranks = dist.get_process_group_ranks(self.process_group)
-            self.reduce_process_group = dist.new_group(ranks)
+            self.reduce_process_group = new_group_like(ranks, self.process_group)
         elif not enable:
             self.reduce_process_group = self.process_group
 

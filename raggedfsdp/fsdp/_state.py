@@ -27,6 +27,7 @@ from torch import nn
 from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
+from raggedfsdp.fsdp._device import new_group_like
 from raggedfsdp.fsdp._policy import MixedPrecisionPolicy
 
 if TYPE_CHECKING:
@@ -405,7 +406,7 @@ def _post_forward_group(mesh, size: int) -> PostForwardGroup:
     mine = None
     for start in range(0, len(ranks), size):
         members = ranks[start : start + size]
-        pg = dist.new_group(members)  # every rank creates every group, in the same order
+        pg = new_group_like(members, mesh.get_group(0))  # every rank makes every group
         if dist.get_rank() in members:
             mine = PostForwardGroup(pg, members.index(dist.get_rank()), size)
     return mine

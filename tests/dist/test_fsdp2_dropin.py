@@ -204,6 +204,11 @@ def _check_tied_sibling_groups_refused(rank, world):
     with pytest.raises(ValueError, match=r"parameter '2.weight' is also 'weight' of Linear"):
         raggedfsdp.fully_shard(a, mesh=mesh)
     assert type(a) is nn.Sequential and not isinstance(a[0].weight, DTensor)
+    root = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    raggedfsdp.fully_shard(root, mesh=mesh)
+    with pytest.raises(ValueError, match=r"'weight' is already sharded, as '0.weight' of "):
+        raggedfsdp.fully_shard(root[0], mesh=mesh)  # wrong order: root first
+    assert type(root[0]) is nn.Linear
 
 
 def _check_reset_iter_state(rank, world):
