@@ -110,16 +110,18 @@ def _is_ragged(spec: DTensorSpec) -> bool:
 # from_local and distribute_tensor
 # ---------------------------------------------------------------------------------------------
 _orig_from_local = DTensor.from_local
+
+
 # A copy of torch's function: install() rewrites the original's code (see there).
+def _copy_of(fn: types.FunctionType) -> types.FunctionType:
+    """A new function object with ``fn``'s code, before install() rewrites ``fn``'s."""
+    copy = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__)
+    copy.__kwdefaults__ = fn.__kwdefaults__
+    return copy
+
+
 _torch_distribute_tensor = dtensor_api.distribute_tensor
-_orig_distribute_tensor = types.FunctionType(
-    _torch_distribute_tensor.__code__,
-    _torch_distribute_tensor.__globals__,
-    "distribute_tensor",
-    _torch_distribute_tensor.__defaults__,
-    _torch_distribute_tensor.__closure__,
-)
-_orig_distribute_tensor.__kwdefaults__ = _torch_distribute_tensor.__kwdefaults__
+_orig_distribute_tensor = _copy_of(_torch_distribute_tensor)
 
 
 def _from_local(
@@ -754,13 +756,7 @@ def _get_tensor_shard(self, index):
 # Local shape and offset (torch's checkpoint and state-dict helpers)
 # ---------------------------------------------------------------------------------------------
 _torch_local_shape_and_offset = dtensor_utils.compute_local_shape_and_global_offset
-_orig_local_shape_and_offset = types.FunctionType(
-    _torch_local_shape_and_offset.__code__,
-    _torch_local_shape_and_offset.__globals__,
-    "compute_local_shape_and_global_offset",
-    _torch_local_shape_and_offset.__defaults__,
-    _torch_local_shape_and_offset.__closure__,
-)
+_orig_local_shape_and_offset = _copy_of(_torch_local_shape_and_offset)
 
 
 def _local_shape_and_offset_trampoline(global_shape, mesh, placements, skip_offset=False):

@@ -184,15 +184,7 @@ class ParamGroup:
         self.layout = plan_buffer(
             specs, self.world, dtype=self.dtype, alignment_bytes=alignment_bytes
         )
-        self.dbuf = DBuffer(
-            self.layout,
-            self.rank,
-            self.dtype,
-            self.device,
-            self.compute_dtype,
-            shard_device=shard_device,
-            pin_memory=self.pin_memory,
-        )
+        self.dbuf = self._new_dbuf(shard_device)
         for ref, p in zip(refs, originals):
             ref.placement = RaggedShard.from_layout(self.layout, ref.fqn)
             if self.device.type != "meta":
@@ -226,6 +218,17 @@ class ParamGroup:
             )
 
     # ---- construction ---------------------------------------------------------------------
+    def _new_dbuf(self, shard_device: torch.device | None) -> DBuffer:
+        return DBuffer(
+            self.layout,
+            self.rank,
+            self.dtype,
+            self.device,
+            self.compute_dtype,
+            shard_device=shard_device,
+            pin_memory=self.pin_memory,
+        )
+
     def _make_sharded(self, ref: ParamRef) -> None:
         local = self.dbuf.shard_view(ref.fqn)
         stride = torch.empty(ref.shape, device="meta").stride()
@@ -257,15 +260,7 @@ class ParamGroup:
         self.streams = streams_for(self.device)
         self.compute_dtype = self.mp_policy.param_dtype or self.dtype
         self.reduce_dtype = self.mp_policy.reduce_dtype or self.compute_dtype
-        self.dbuf = DBuffer(
-            self.layout,
-            self.rank,
-            self.dtype,
-            self.device,
-            self.compute_dtype,
-            shard_device=shard_device,
-            pin_memory=self.pin_memory,
-        )
+        self.dbuf = self._new_dbuf(shard_device)
         for ref in self.refs:
             new = current[ref.fqn]
             self.dbuf.shard_view(ref.fqn).copy_(

@@ -11,30 +11,12 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import raggedfsdp.dbuffer as dbuffer_module
-from raggedfsdp import checkpoint, clip_grad_norm_, fully_shard
+from raggedfsdp import fully_shard
 from raggedfsdp.models import get_config
 from raggedfsdp.models.transformer import Transformer, lm_loss
-from raggedfsdp.optim import (
-    AdamW,
-    AdamW8bit,
-    Muon,
-    adamw8bit_block_policy,
-    muon_block_policy,
-    muon_param_groups,
-)
 from tests.device_audit import DeviceAudit
 
 WORLD, SEQ = 8, 16
-OPTIMIZERS = {
-    "sgd": (lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9), None),
-    "torch-adamw": (lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3), None),
-    "adamw": (lambda m: AdamW(m.parameters(), lr=1e-3), None),
-    "adamw8bit": (
-        lambda m: AdamW8bit(m.parameters(), lr=1e-3, min_8bit_size=256),
-        lambda: adamw8bit_block_policy(min_8bit_size=256),
-    ),
-    "muon": (lambda m: Muon(muon_param_groups(m), lr=1e-3), lambda: muon_block_policy()),
-}
 
 
 @pytest.fixture(scope="module")
@@ -44,22 +26,11 @@ def fake_world():
     dist.destroy_process_group()
 
 
-def _sharded(name, mesh, policy):
+def _sharded(name, mesh):
     model = Transformer(get_config(name), max_seq_len=SEQ, seed=0)
-    kw = {} if policy is None else {"block_policy": policy()}
     for block in model.transformer_blocks():
-        fully_shard(block, mesh=mesh, **kw)
-    return fully_shard(model, mesh=mesh, **kw)
-
-
-def _train_step(model, opt, tmp_path):
-    x = torch.randint(0, model.config.vocab_size, (2, SEQ + 1))
-    lm_loss(model(x[:, :-1]), x[:, 1:]).backward()
-    clip_grad_norm_(model, 1.0)
-    opt.step()
-    opt.zero_grad()
-    checkpoint.save(tmp_path, model, opt, step=1)
-    checkpoint.load(tmp_path, model, opt)
+        fully_shard(block, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
 
 
 def test_the_audit_catches_a_factory_without_a_device(fake_world, monkeypatch):
@@ -72,7 +43,7 @@ def test_the_audit_catches_a_factory_without_a_device(fake_world, monkeypatch):
     scope = {"torch": torch, "original": dbuffer_module.FlatStorage.alloc}
     exec(compile(source, dbuffer_module.__file__, "exec"), scope)
     monkeypatch.setattr(dbuffer_module.FlatStorage, "alloc", scope["alloc"])
-    model = _sharded("llama-tiny", fake_world, None)
+    model = _sharded("llama-tiny", fake_world)
     with DeviceAudit() as audit:
         x = torch.randint(0, model.config.vocab_size, (2, SEQ + 1))
         lm_loss(model(x[:, :-1]), x[:, 1:]).backward()
