@@ -343,6 +343,14 @@ _ELEMENTWISE_EXTRA = {
     aten.zero_.default,
 }
 _NOT_ELEMENTWISE_FOREACH = {"aten::_foreach_norm", "aten::_foreach_max"}
+# x.new_empty(size) and friends read only x's mesh: torch's rule (a Replicate result).
+_NEW_FACTORIES = {
+    aten.new_empty.default,
+    aten.new_zeros.default,
+    aten.new_ones.default,
+    aten.new_full.default,
+    aten.new_empty_strided.default,
+}
 
 
 def _is_elementwise(op) -> bool:
@@ -638,6 +646,46 @@ def _any_all_handler(op_call, args, kwargs):
     return DTensor.from_local(local.bool(), mesh, [Replicate()] * mesh.ndim, run_check=False)
 
 
+def _select_handler(op_call, args, kwargs):
+    """``t[i]`` / ``t.select(0, i)`` of a RaggedShard DTensor: a view of the selected rows
+    where they live, itself a RaggedShard DTensor (HF's ``zeros_(weight[padding_idx])``
+    writes through to the parameter). Rows are never split, so no data moves."""
+    target = args[0]
+    if not (isinstance(target, DTensor) and _is_ragged(target._spec)):
+        return _to_torch(op_call, _select_handler, args, kwargs)
+    dim, index = (args[1], args[2]) if len(args) > 2 else (kwargs["dim"], kwargs["index"])
+    shape = tuple(target.shape)
+    axis, rs = ragged_axis(target.placements)
+    k = len(rs.dims)
+    if dim % len(shape) != 0 or len(shape) < 2:
+        raise NotImplementedError(
+            f"select(dim={dim}) of a RaggedShard DTensor of shape {shape}: only dim 0 of a "
+            "tensor of 2 or more dims is supported; redistribute to Replicate() first"
+        )
+    index = index % shape[0]
+    mesh, world = target.device_mesh, target.device_mesh.size(axis)
+    inner = math.prod(shape[1:k])  # rows of one index of dim 0
+    first, stop = index * inner, (index + 1) * inner
+    rows = [rs.local_row_range(shape, r) for r in range(world)]
+    counts = [max(0, min(hi, stop) - max(lo, first)) for lo, hi in rows]
+    out_shape = shape[1:]
+    if k == 1:  # one row: the whole result is one block on the rank holding it
+        placement = RaggedShard((0,), tuple(int(c > 0) for c in counts))
+    else:  # its rows, one block per row
+        placement = RaggedShard(tuple(range(k - 1)), tuple(counts))
+    me = mesh.get_local_rank(axis)
+    lo = rows[me][0]
+    start = max(lo, first) - lo
+    local = target._local_tensor
+    local = local[start] if k == 1 and counts[me] else local[start : start + counts[me]]
+    if k == 1 and not counts[me]:
+        local = local.new_empty((0, *out_shape[1:]))
+    placements = tuple(placement if i == axis else p for i, p in enumerate(target.placements))
+    stride = torch.empty(out_shape, device="meta").stride()
+    spec = DTensorSpec(mesh, placements, tensor_meta=TensorMeta(out_shape, stride, target.dtype))
+    return DTensor(local, spec, requires_grad=False)
+
+
 def _to_torch(op_call, handler, args, kwargs):
     """Run ``op_call`` through torch's own DTensor path (the handler stepped aside)."""
     handlers = DTensor._op_dispatcher._custom_op_handlers
@@ -653,7 +701,7 @@ def _install_propagation() -> None:
     original = prop.propagate_op_sharding_non_cached
 
     def propagate_op_sharding_non_cached(op_schema: OpSchema) -> OutputSharding:
-        if _schema_is_ragged(op_schema):
+        if _schema_is_ragged(op_schema) and op_schema.op not in _NEW_FACTORIES:
             return _ragged_output_sharding(prop, op_schema)
         return original(op_schema)
 
@@ -667,6 +715,7 @@ def _install_propagation() -> None:
         handlers[op] = _random_handler
     for op in (aten.any.default, aten.all.default):
         handlers[op] = _any_all_handler
+    handlers[aten.select.int] = _select_handler
 
 
 # ---------------------------------------------------------------------------------------------

@@ -463,12 +463,16 @@ class FSDPModule(TorchFSDPModule):
         issued asynchronously and waited where the module needs its parameters."""
 
     def _apply(self, fn, recurse: bool = True):
-        for s in self._fsdp_states(True):
+        # Groups wholly inside this module: a group of several modules (a list) is rebuilt
+        # by the _apply of a module holding them all, once every member has been applied.
+        inside = {id(m) for m in self.modules()}
+        states = [s for s in self._fsdp_states(True) if all(id(m) in inside for m in s.modules)]
+        for s in states:
             if s.group is not None:
                 s.group.reshard()  # the sharded parameters are what _apply sees
         # nn.Module's _apply, skipping torch's FSDPModule._apply (it reads FSDP2's state)
         out = super(TorchFSDPModule, self)._apply(fn, recurse)  # type: ignore[misc]
-        for s in self._fsdp_states(True):
+        for s in states:
             if s.group is not None:
                 s.group.reset_after_apply()
         return out

@@ -44,17 +44,23 @@ __all__ = [
 _STATE_ATTR = "_raggedfsdp_state"
 
 
-def _not_traced(hook):
-    """Run ``hook`` eagerly under ``torch.compile`` (as FSDP2 does its hooks).
+_HOOKS = ("_pre_forward", "_post_forward", "_pre_backward", "_post_backward", "_final_callback")
+
+
+def _run_hooks_eagerly(state: FSDPState) -> None:
+    """Make ``state``'s hooks run eagerly under ``torch.compile`` (as FSDP2 does its hooks).
 
     [Note: hooks and torch.compile]
     A block compiled with ``fullgraph=True`` (torchtitan compiles each block, then
     shards it) calls these hooks from its compiled ``_call_impl``: they manage storages
     (``untyped_storage().resize_``), collectives and Python state that dynamo cannot
     trace, so dynamo skips them and the compiled region is the module's own compute.
+    Done per state, when ``fully_shard`` runs: ``torch._dynamo`` is not imported by
+    ``import raggedfsdp``.
     """
-
-    return torch._dynamo.disable(hook, recursive=True, reason="raggedfsdp hooks")
+    for name in _HOOKS:
+        hook = getattr(state, name)
+        setattr(state, name, torch._dynamo.disable(hook, recursive=True, reason="raggedfsdp"))
 
 
 def state_of(module: nn.Module) -> FSDPState | None:
@@ -113,6 +119,7 @@ class FSDPState:
         self._recording = True
         self._callback_queued = False
         self._reduce_order: list[FSDPState] = []  # groups in the order they started reducing
+        _run_hooks_eagerly(self)
         for module in self.modules:
             module.__dict__[_STATE_ATTR] = self
             module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
@@ -180,7 +187,6 @@ class FSDPState:
         return order[i] if 0 <= i < len(order) else None
 
     # ---- forward --------------------------------------------------------------------------
-    @_not_traced
     def _pre_forward(self, module, args, kwargs):
         if not self._forward_pending:  # the first of the group's modules: unshard
             self._group_pre_forward()
@@ -194,6 +200,9 @@ class FSDPState:
     def _group_pre_forward(self) -> None:
         if self.is_root is None:
             self._lazy_init()
+        if self.is_root:  # a new forward: a group whose last module ran several times, or
+            for s in self._states:  # not at all, starts afresh (FSDP2 resets it the same way)
+                s._forward_pending = set()
         root = self.root
         if root._recording and self not in root._forward_order:
             root._forward_order.append(self)
@@ -210,7 +219,6 @@ class FSDPState:
         for nxt in self._prefetch_targets(forward=True):
             nxt.group.unshard(async_op=True)
 
-    @_not_traced
     def _post_forward(self, module, args, *kwargs_and_output):
         """Forward hook ``(module, args, kwargs, output)``; torch's
         ``register_fsdp_forward_method`` calls it as ``(module, args, output)``."""
@@ -253,7 +261,6 @@ class FSDPState:
             return output
         return tree_unflatten(flat, spec)
 
-    @_not_traced
     def _pre_backward(self, grad):
         root = self.root
         if not root._callback_queued:
@@ -281,7 +288,6 @@ class FSDPState:
         self._pending_post_backward += 1
         return tree_unflatten(flat, spec)
 
-    @_not_traced
     def _post_backward(self) -> None:
         self._pending_post_backward -= 1
         if self._pending_post_backward == 0 and self.group is not None:
@@ -299,7 +305,6 @@ class FSDPState:
         for group in in_flight[: max(0, len(in_flight) - starting.max_reduces_in_flight + 1)]:
             group.wait_reduce()
 
-    @_not_traced
     def _final_callback(self) -> None:
         """End of backward (root only): reduce the rest, wait, set the sharded grads."""
         for s in self._states:

@@ -3,7 +3,7 @@ random functions give the unsharded tensor at any world size and block policy (t
 contract of [Note: random init of RaggedShard]), the meta-device recipe
 (``to_empty`` then ``reset_parameters()``) equals building on the CPU, and element-wise
 ops between a RaggedShard and a Replicate DTensor run on local slices with no
-communication."""
+communication; ``t[i]`` is a view of the rows where they live (writes go through)."""
 
 from __future__ import annotations
 
@@ -96,6 +96,28 @@ def _check_replicate_meets_ragged(mesh):
     assert torch.equal(lin.weight.full_tensor(), other)
 
 
+def _check_select_writes_through(mesh):
+    """``zeros_(weight[padding_idx])`` (Hugging Face's init) and member writes of a stack."""
+    torch.manual_seed(0)
+    emb = nn.Embedding(10, 4)
+    stack = _Net()
+    nn.init.normal_(stack.experts)
+    ref_emb, ref_stack = emb.weight.detach().clone(), stack.experts.detach().clone()
+    fully_shard(emb, mesh=mesh)
+    fully_shard(stack, mesh=mesh, block_policy=BlockPolicy(rows=8))
+    with torch.no_grad(), CommDebugMode() as comm:
+        nn.init.zeros_(emb.weight[3])
+        emb.weight[-1].fill_(2.0)
+        stack.experts[1].zero_()
+        nn.init.ones_(stack.experts[-1])
+    assert comm.get_total_counts() == 0
+    ref_emb[3], ref_emb[-1], ref_stack[1], ref_stack[2] = 0.0, 2.0, 0.0, 1.0
+    assert torch.equal(emb.weight.full_tensor(), ref_emb)
+    assert torch.equal(stack.experts.full_tensor(), ref_stack)
+    fresh = emb.weight.new_empty((3, 4))  # torch's rule: a Replicate DTensor, as FSDP2
+    assert fresh.shape == (3, 4) and fresh.placements == (Replicate(),)
+
+
 def _grid(rank, world):
     mesh = init_device_mesh("cpu", (world,))
     cases = {
@@ -105,6 +127,7 @@ def _grid(rank, world):
     }
     cases["meta recipe"] = partial(_check_meta_recipe, mesh)
     cases["Replicate meets RaggedShard"] = partial(_check_replicate_meets_ragged, mesh)
+    cases["select writes through, new_empty"] = partial(_check_select_writes_through, mesh)
     run_cases(cases)
     dist.barrier()
 

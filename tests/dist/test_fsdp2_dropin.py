@@ -195,6 +195,51 @@ def _check_isinstance_and_helpers(rank, world):
     assert isinstance(model.output.weight, DTensor)  # resharded after the method
 
 
+def _check_list_group_meta_and_repeated_member(rank, world):
+    """torchtitan's head group: ``fully_shard([norm, output])`` built on meta, ``to_empty``
+    from the root, and the output projection called several times per forward."""
+    mesh = init_device_mesh("cpu", (world,))
+
+    class Net(nn.Sequential):
+        def forward(self, x):
+            h = self[1](self[0](x))
+            return sum(self[2](h * k).square().mean() for k in (1.0, 0.5, 2.0))  # head x 3
+
+    def build(fully_shard):
+        with torch.device("meta"):
+            net = Net(nn.Linear(6, 6), nn.LayerNorm(6), nn.Linear(6, 3))
+        fully_shard(net[0], mesh=mesh)
+        fully_shard([net[1], net[2]], mesh=mesh)
+        fully_shard(net, mesh=mesh)
+        net.to_empty(device="cpu")
+        torch.manual_seed(2)
+        with torch.no_grad():
+            for p in net.parameters():
+                p.copy_(distribute_like(torch.randn(p.shape), p))
+        return net
+
+    results = []
+    for fully_shard in (torch_fsdp.fully_shard, raggedfsdp.fully_shard):
+        net = build(fully_shard)
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        losses = []
+        for step in range(3):
+            x = torch.randn(4, 6, generator=torch.Generator().manual_seed(step + 10 * rank))
+            loss = net(x)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        results.append(losses)
+    assert results[0] == results[1], results
+
+
+def distribute_like(full, param):
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(full, param.device_mesh, param.placements)
+
+
 def _check_tied_sibling_groups_refused(rank, world):
     mesh = init_device_mesh("cpu", (world,))
     a = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
@@ -282,6 +327,9 @@ def _grid(rank, world):
             _check_isinstance_and_helpers, rank, world
         ),
         "tied across sibling groups": partial(_check_tied_sibling_groups_refused, rank, world),
+        "list group: meta init, a member called 3 times": partial(
+            _check_list_group_meta_and_repeated_member, rank, world
+        ),
         "reset_iter_state": partial(_check_reset_iter_state, rank, world),
         "refusals": partial(_check_refusals, rank, world),
     }
