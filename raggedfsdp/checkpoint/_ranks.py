@@ -105,8 +105,23 @@ def default_group(model: nn.Module, process_group):
         return None
     for p in model.parameters():
         if isinstance(p, DTensor):
-            return p.device_mesh.get_group(0)
+            return _mesh_group(p.device_mesh)
     return dist.group.WORLD
+
+
+_MESH_GROUPS: dict = {}
+
+
+def _mesh_group(mesh):
+    """Every rank of ``mesh`` (a 2-D HSDP mesh too: its replicas save and load together)."""
+    if mesh.ndim == 1:
+        return mesh.get_group(0)
+    ranks = tuple(mesh.mesh.flatten().tolist())
+    if sorted(ranks) == list(range(dist.get_world_size())):
+        return dist.group.WORLD
+    if ranks not in _MESH_GROUPS:
+        _MESH_GROUPS[ranks] = dist.new_group(list(ranks), use_local_synchronization=True)
+    return _MESH_GROUPS[ranks]
 
 
 _SIDE_GROUPS: dict = {}

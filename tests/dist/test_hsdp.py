@@ -6,6 +6,7 @@ losses and final parameters equal one process's, and FSDP2's HSDP on the same me
 
 from __future__ import annotations
 
+import tempfile
 from functools import partial
 
 import torch
@@ -14,6 +15,7 @@ import torch.distributed.fsdp as torch_fsdp
 from torch.distributed.tensor import Replicate, init_device_mesh
 
 import raggedfsdp
+import raggedfsdp.optim
 from raggedfsdp import RaggedShard
 from raggedfsdp.models import get_config
 from raggedfsdp.models.transformer import Transformer, lm_loss
@@ -93,9 +95,38 @@ def _check_accumulation(rank):
         torch.testing.assert_close(v.full_tensor(), their_params[k].full_tensor(), msg=k)
 
 
-def _grid(rank, world, refs):
+def _check_checkpoint_to_fsdp(rank, root):
+    """Save on the 2x2 HSDP mesh, load on 4-rank FSDP (and back): the same values."""
+    from raggedfsdp import checkpoint
+
+    hsdp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    flat = init_device_mesh("cpu", (WORLD,))
+    model = _sharded(raggedfsdp.fully_shard, "moe-tiny", hsdp)
+    opt = raggedfsdp.optim.AdamW(model.parameters(), lr=1e-2)
+    x = _data()[0][2 * rank : 2 * rank + 2]
+    lm_loss(model(x[:, :-1]), x[:, 1:]).backward()
+    opt.step()
+    checkpoint.save(f"{root}/hsdp", model, opt, step=1)
+    saved = {k: v.full_tensor() for k, v in model.named_parameters()}
+    other = Transformer(get_config("moe-tiny"), max_seq_len=SEQ, seed=1)
+    for block in other.transformer_blocks():
+        raggedfsdp.fully_shard(block, mesh=flat)
+    raggedfsdp.fully_shard(other, mesh=flat)
+    other_opt = raggedfsdp.optim.AdamW(other.parameters(), lr=1e-2)
+    checkpoint.load(f"{root}/hsdp", other, other_opt)
+    for k, v in other.named_parameters():
+        assert torch.equal(v.full_tensor(), saved[k]), k
+    for p, q in zip(model.parameters(), other.parameters()):
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(
+                opt.state[p][key].full_tensor(), other_opt.state[q][key].full_tensor()
+            ), key
+
+
+def _grid(rank, world, refs, root):
     cases = {f"{n}": partial(_check_parity, n, rank, refs[n]) for n in refs}
     cases["set_requires_all_reduce(False) accumulation"] = partial(_check_accumulation, rank)
+    cases["checkpoint: HSDP 2x2 -> FSDP 4"] = partial(_check_checkpoint_to_fsdp, rank, root)
     run_cases(cases)
     dist.barrier()
 
@@ -105,4 +136,5 @@ def test_hsdp_parity_with_one_process_and_fsdp2():
     for name in ("llama-tiny", "moe-tiny"):
         model = Transformer(get_config(name), max_seq_len=SEQ, seed=0)
         refs[name] = _train(model, 0, 1, setup=lambda m, i: None)
-    spawn(WORLD, _grid, refs, timeout=600)
+    with tempfile.TemporaryDirectory() as root:
+        spawn(WORLD, _grid, refs, root, timeout=600)
