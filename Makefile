@@ -5,7 +5,7 @@
 PY := .venv/bin/python
 VENV_STAMP := .venv/.installed
 
-.PHONY: demo test lint venv clean bench bench-peers
+.PHONY: demo test test-clients lint venv clean bench bench-peers
 
 $(VENV_STAMP): pyproject.toml
 	python3 -m venv .venv
@@ -23,8 +23,23 @@ lint: $(VENV_STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 
+# tests/clients (torchtitan, transformers) take minutes each: `make test-clients` runs them.
 test: lint
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q tests --ignore=tests/clients
+
+# The clients extra goes into .venv with torch pinned by a constraint file, so that pip can
+# never replace it (any other torch would be a multi-GB CUDA build).
+CLIENTS_STAMP := .venv/.clients-installed
+
+$(CLIENTS_STAMP): $(VENV_STAMP) pyproject.toml
+	echo "torch==2.13.0" > .venv/constraints.txt
+	PIP_CONSTRAINT=$(CURDIR)/.venv/constraints.txt $(PY) -m pip install --quiet -e ".[clients]"
+	$(PY) -c "import torch, sys; v = torch.__version__; \
+		sys.exit(0 if v.split('+')[0] == '2.13.0' else f'.venv has torch {v}, not 2.13.0')"
+	touch $(CLIENTS_STAMP)
+
+test-clients: $(CLIENTS_STAMP)
+	$(PY) -m pytest -q tests/clients
 
 # Benchmarks (benchmarks/run_all.py): planner, step, optim, and peers when .venv-peers exists.
 bench: $(VENV_STAMP)
