@@ -317,9 +317,7 @@ class FSDPModule(TorchFSDPModule):
         """HSDP: False skips the all-reduce over the replicate dim (the reduce-scattered
         gradients accumulate until a backward with it); a 1-D mesh has none."""
         for s in self._fsdp_states(recurse):
-            s.requires_all_reduce = bool(requires_all_reduce)
-            if s.group is not None:
-                s.group.requires_all_reduce = bool(requires_all_reduce)
+            s.set_requires_all_reduce(bool(requires_all_reduce))
 
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Sum gradients and divide by ``factor`` instead of averaging over ranks."""
@@ -335,8 +333,7 @@ class FSDPModule(TorchFSDPModule):
     def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
         """Reduce with ``SUM`` only, dividing by the world size after (not ``AVG``)."""
         for s in self._fsdp_states(True):
-            if s.group is not None:
-                s.group.force_sum_reduction = bool(enable)
+            s.set_force_sum_reduction(bool(enable))
 
     def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *, stream=None) -> None:
         """Call ``hook(reduce_output)`` on each reduce-scatter output (1-D, S elements)
@@ -347,8 +344,7 @@ class FSDPModule(TorchFSDPModule):
                 "that finishes the reduce-scatter (the current one)"
             )
         for s in self._fsdp_states(False):
-            if s.group is not None:
-                s.group.all_reduce_hook = hook
+            s.set_all_reduce_hook(hook)
 
     def set_reduce_scatter_unused_params(
         self, reduce_scatter_unused_params: bool, *, recurse: bool = True
@@ -376,13 +372,12 @@ class FSDPModule(TorchFSDPModule):
                 f"{max_input_buffers}"
             )
         for s in self._fsdp_states(recurse):
-            s.max_reduces_in_flight = max_input_buffers
+            s.set_max_reduces_in_flight(max_input_buffers)
 
     def set_separate_reduce_scatter_group(self, enable: bool = True, *, recurse: bool = True):
         """Run reduce-scatters on their own process group (over the same ranks)."""
         for s in self._fsdp_states(recurse):
-            if s.group is not None:
-                s.group.use_separate_reduce_scatter_group(bool(enable))
+            s.set_separate_reduce_scatter_group(bool(enable))
 
     # ---- resharding and prefetch ----------------------------------------------------------
     def set_reshard_after_backward(
@@ -405,7 +400,7 @@ class FSDPModule(TorchFSDPModule):
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
         """False: backward needs only the gradients of this module's parameters, not the
         parameters (an embedding), so they are not all-gathered again."""
-        _checked_state(self).unshard_in_backward = bool(unshard_in_backward)
+        _checked_state(self).set_unshard_in_backward(bool(unshard_in_backward))
 
     def set_modules_to_forward_prefetch(self, modules: Iterable[FSDPModule]) -> None:
         """All-gather these modules' parameters at the start of this module's forward."""
@@ -418,7 +413,7 @@ class FSDPModule(TorchFSDPModule):
     def set_post_optim_event(self, event: torch.Event) -> None:
         """The next all-gathers wait on ``event`` (recorded after the optimizer step)
         instead of the whole current stream; on the CPU there are no streams."""
-        _checked_state(self).post_optim_event = event
+        _checked_state(self).set_post_optim_event(event)
 
     # ---- refused: what raggedfsdp's buffers cannot honour ---------------------------------
     def set_is_last_backward(self, is_last_backward: bool) -> None:

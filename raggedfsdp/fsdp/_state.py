@@ -156,6 +156,32 @@ class FSDPState:
         if self.group is not None:
             self.group.gradient_divide_factor = float(factor)
 
+    def set_requires_all_reduce(self, value: bool) -> None:
+        self.requires_all_reduce = value
+        if self.group is not None:
+            self.group.requires_all_reduce = value
+
+    def set_force_sum_reduction(self, value: bool) -> None:
+        if self.group is not None:
+            self.group.force_sum_reduction = value
+
+    def set_all_reduce_hook(self, hook) -> None:
+        if self.group is not None:
+            self.group.all_reduce_hook = hook
+
+    def set_max_reduces_in_flight(self, value: int) -> None:
+        self.max_reduces_in_flight = value
+
+    def set_separate_reduce_scatter_group(self, value: bool) -> None:
+        if self.group is not None:
+            self.group.use_separate_reduce_scatter_group(value)
+
+    def set_unshard_in_backward(self, value: bool) -> None:
+        self.unshard_in_backward = value
+
+    def set_post_optim_event(self, event) -> None:
+        self.post_optim_event = event
+
     def set_prefetch(self, *, forward: list[FSDPState] | None = None, backward=None) -> None:
         """Groups to all-gather at the start of this module's forward / backward."""
         if forward is not None:
