@@ -1,0 +1,223 @@
+"""What model-init and state-dict code calls on a RaggedShard DTensor (torch 2.13).
+
+Installed by ``raggedfsdp._dtensor_ext.install()`` (see [Note: DTensor patches] there):
+in-place random ops, ``any`` / ``all`` and ``select`` as DTensor custom op handlers, and
+the two state-dict helpers of torch that need a RaggedShard's rows
+(``compute_local_shape_and_global_offset``, ``_state_dict_utils._distribute_tensors``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+import torch.distributed._state_dict_utils as state_dict_utils
+import torch.distributed.tensor._utils as dtensor_utils
+from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+from raggedfsdp._dtensor_ext import _copy_of, _is_ragged, _to_torch, ragged_axis
+from raggedfsdp.placement import RaggedShard
+
+__all__ = [
+    "RANDOM_INPLACE",
+    "any_all_handler",
+    "install_state_dict_hooks",
+    "random_handler",
+    "select_handler",
+]
+
+aten = torch.ops.aten
+
+
+# ---------------------------------------------------------------------------------------------
+# Custom op handlers
+# ---------------------------------------------------------------------------------------------
+# [Note: random init of RaggedShard]
+# An in-place random op (``normal_``, ``uniform_``, ... as ``nn.init`` calls them) on a
+# RaggedShard DTensor draws the *whole* tensor on every rank, with the generator it was
+# given (or the device's default one), and keeps the rank's rows. Contract: with the
+# same generator state on every rank (``torch.manual_seed(s)`` everywhere, as model
+# init does), the full tensor is bit-identical to what the op gives an unsharded
+# tensor with that state, at any world size and any block policy, on the CPU as on an
+# accelerator; and every rank's generator advances as the unsharded op advances it.
+# Cost: one transient full-size tensor per call, and the time of drawing it on one
+# device (as single-device init). FSDP2's DTensor random ops, by contrast, draw only
+# the local shard with offset-based Philox on CUDA, and on the CPU draw each shard
+# from the local generator (the full tensor then depends on the world size).
+RANDOM_INPLACE = (
+    aten.normal_.default,
+    aten.uniform_.default,
+    aten.bernoulli_.float,
+    aten.exponential_.default,
+    aten.cauchy_.default,
+    aten.log_normal_.default,
+    aten.geometric_.default,
+    aten.random_.default,
+    getattr(aten.random_, "from"),  # 'from' is a Python keyword
+    aten.random_.to,
+)
+
+
+def random_handler(op_call, args, kwargs):
+    """DTensor custom handler for in-place random ops: see [Note: random init of RaggedShard]."""
+    target = args[0]
+    if not (isinstance(target, DTensor) and _is_ragged(target._spec)):
+        return _to_torch(op_call, random_handler, args, kwargs)
+    if any(isinstance(a, DTensor) for a in (*args[1:], *kwargs.values())):
+        raise NotImplementedError(f"{op_call} with DTensor arguments on a RaggedShard DTensor")
+    local = target._local_tensor
+    if local.device.type != "meta":
+        axis, placement = ragged_axis(target.placements)
+        rank = target.device_mesh.get_local_rank(axis)
+        full = torch.empty(target.shape, dtype=target.dtype, device=local.device)
+        op_call(full, *args[1:], **kwargs)  # the whole tensor, as one device draws it
+        lo, hi = placement.local_row_range(target.shape, rank)
+        row = placement.row_numel(target.shape)
+        local.view(-1).copy_(full.view(-1)[lo * row : hi * row])
+    return target
+
+
+def any_all_handler(op_call, args, kwargs):
+    """``any()`` / ``all()`` of a whole RaggedShard DTensor, reduced now to a Replicate
+    bool: code branches on it (``nn.init.trunc_normal_``'s rejection loop), and a
+    Partial's ``bool()`` would read this rank's part only. An empty shard gives the
+    identity (False / True)."""
+    target = args[0]
+    if not (isinstance(target, DTensor) and _is_ragged(target._spec)) or len(args) > 1 or kwargs:
+        return _to_torch(op_call, any_all_handler, args, kwargs)
+    axis, _ = ragged_axis(target.placements)
+    mesh = target.device_mesh
+    local = op_call(target._local_tensor).to(torch.uint8)
+    op = dist.ReduceOp.MAX if op_call is aten.any.default else dist.ReduceOp.MIN
+    dist.all_reduce(local, op=op, group=mesh.get_group(axis))
+    return DTensor.from_local(local.bool(), mesh, [Replicate()] * mesh.ndim, run_check=False)
+
+
+def select_handler(op_call, args, kwargs):
+    """``t[i]`` / ``t.select(0, i)`` of a RaggedShard DTensor: a view of the selected rows
+    where they live, itself a RaggedShard DTensor (HF's ``zeros_(weight[padding_idx])``
+    writes through to the parameter). Rows are never split, so no data moves."""
+    target = args[0]
+    if not (isinstance(target, DTensor) and _is_ragged(target._spec)):
+        return _to_torch(op_call, select_handler, args, kwargs)
+    dim, index = (args[1], args[2]) if len(args) > 2 else (kwargs["dim"], kwargs["index"])
+    shape = tuple(target.shape)
+    axis, rs = ragged_axis(target.placements)
+    k = len(rs.dims)
+    if dim % len(shape) != 0 or len(shape) < 2:
+        raise NotImplementedError(
+            f"select(dim={dim}) of a RaggedShard DTensor of shape {shape}: only dim 0 of a "
+            "tensor of 2 or more dims is supported; redistribute to Replicate() first"
+        )
+    index = index % shape[0]
+    mesh, world = target.device_mesh, target.device_mesh.size(axis)
+    inner = math.prod(shape[1:k])  # rows of one index of dim 0
+    first, stop = index * inner, (index + 1) * inner
+    rows = [rs.local_row_range(shape, r) for r in range(world)]
+    counts = [max(0, min(hi, stop) - max(lo, first)) for lo, hi in rows]
+    out_shape = shape[1:]
+    if k == 1:  # one row: the whole result is one block on the rank holding it
+        placement = RaggedShard((0,), tuple(int(c > 0) for c in counts))
+    else:  # its rows, one block per row
+        placement = RaggedShard(tuple(range(k - 1)), tuple(counts))
+    me = mesh.get_local_rank(axis)
+    lo = rows[me][0]
+    start = max(lo, first) - lo
+    local = target._local_tensor
+    local = local[start] if k == 1 and counts[me] else local[start : start + counts[me]]
+    if k == 1 and not counts[me]:
+        local = local.new_empty((0, *out_shape[1:]))
+    placements = tuple(placement if i == axis else p for i, p in enumerate(target.placements))
+    stride = torch.empty(out_shape, device="meta").stride()
+    spec = DTensorSpec(mesh, placements, tensor_meta=TensorMeta(out_shape, stride, target.dtype))
+    return DTensor(local, spec, requires_grad=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# Local shape and offset (torch's checkpoint and state-dict helpers)
+# ---------------------------------------------------------------------------------------------
+_orig_distribute_tensors = state_dict_utils._distribute_tensors
+_torch_local_shape_and_offset = dtensor_utils.compute_local_shape_and_global_offset
+_orig_local_shape_and_offset = _copy_of(_torch_local_shape_and_offset)
+
+
+def _local_shape_and_offset_trampoline(global_shape, mesh, placements, skip_offset=False):
+    # Runs with the globals of torch's tensor._utils, where install() puts the name below.
+    return _raggedfsdp_local_shape_and_offset(  # noqa: F821
+        global_shape, mesh, placements, skip_offset
+    )
+
+
+def _local_shape_and_offset(global_shape, mesh, placements, skip_offset=False):
+    """torch's ``compute_local_shape_and_global_offset``, and for a RaggedShard the box of
+    the rank's rows in the global tensor's dims.
+
+    With ``dims=(0,)`` the rows are always a box ``(rows, *rest)`` at ``(start, 0, ...)``.
+    With several dims (a stack ``[E, out, in]`` cut over ``E * out`` rows) they are a box
+    only when they start and end on member boundaries or stay inside one member.
+
+    Raises:
+        NotImplementedError: rows that are not a box of the global tensor.
+    """
+    found = ragged_axis(placements)
+    if found is None:
+        return _orig_local_shape_and_offset(global_shape, mesh, placements, skip_offset)
+    axis, rs = found
+    rank = mesh.get_local_rank(axis)
+    lo, hi = rs.local_row_range(global_shape, rank)
+    k = len(rs.dims)
+    lead, rest = tuple(global_shape[:k]), tuple(global_shape[k:])
+    inner = math.prod(lead[1:])  # rows per index of dim 0
+    if k == 1:
+        shape, offset = (hi - lo, *rest), (lo,)
+    elif lo % inner == 0 and hi % inner == 0:
+        shape, offset = (hi // inner - lo // inner, *lead[1:], *rest), (lo // inner,)
+    elif k == 2 and (hi == lo or lo // inner == (hi - 1) // inner):
+        shape, offset = (1 if hi > lo else 0, hi - lo, *rest), (lo // inner, lo % inner)
+    else:
+        raise NotImplementedError(
+            f"RaggedShard {rs} of shape {tuple(global_shape)}: rank {rank}'s rows [{lo}, {hi}) "
+            "are not a box of the global tensor; use raggedfsdp.checkpoint, or a block policy "
+            "that keeps whole members (BlockPolicy(rows='whole'))"
+        )
+    offset = (*offset, *([0] * (len(global_shape) - len(offset))))
+    return shape, offset
+
+
+def _distribute_tensors(local_state_dict, keys, device, pg=None):
+    """torch's ``_state_dict_utils._distribute_tensors`` (``set_model_state_dict`` with
+    ``broadcast_from_rank0``): a RaggedShard DTensor takes its rows of the broadcast full
+    tensor; every other entry goes to torch's function."""
+    ragged = []
+    for key in keys:
+        entry = local_state_dict.get(key)
+        if entry is None or torch.is_tensor(entry):
+            continue
+        local_state, full = entry
+        if isinstance(local_state, DTensor) and _is_ragged(local_state._spec):
+            ragged.append(key)
+            axis, rs = ragged_axis(local_state.placements)
+            rank = local_state.device_mesh.get_local_rank(axis)
+            rows = rs.local_view(full.contiguous(), rank)
+            if local_state.is_meta:
+                local_state = DTensor.from_local(
+                    rows.detach().clone(),
+                    local_state.device_mesh,
+                    local_state.placements,
+                    shape=local_state.shape,
+                    stride=local_state.stride(),
+                )
+            else:
+                local_state.to_local().copy_(rows)
+            local_state_dict[key] = local_state
+    rest = [k for k in keys if k not in set(ragged)]
+    return _orig_distribute_tensors(local_state_dict, rest, device, pg)
+
+
+def install_state_dict_hooks() -> None:
+    """Give torch's two helpers their RaggedShard branch (once, from ``install()``)."""
+    dtensor_utils._raggedfsdp_local_shape_and_offset = _local_shape_and_offset
+    _torch_local_shape_and_offset.__code__ = _local_shape_and_offset_trampoline.__code__
+    state_dict_utils._distribute_tensors = _distribute_tensors
