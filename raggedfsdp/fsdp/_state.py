@@ -110,7 +110,6 @@ class FSDPState:
         self._pending_post_backward = 0
         self._forward_pending: set[int] = set()  # ids of this group's modules yet to run
         self.unshard_in_backward = True
-        self.requires_all_reduce = True  # HSDP's; kept for set_requires_all_reduce
         self.max_reduces_in_flight = 1
         self.post_optim_event = None  # set_post_optim_event: the next gathers wait on it
         # root only
@@ -157,7 +156,6 @@ class FSDPState:
             self.group.gradient_divide_factor = float(factor)
 
     def set_requires_all_reduce(self, value: bool) -> None:
-        self.requires_all_reduce = value
         if self.group is not None:
             self.group.requires_all_reduce = value
 
