@@ -101,8 +101,11 @@ def rotary_table(seq_len: int, head_dim: int, theta: float) -> Tensor:
     Complex on purpose: a mixed-precision policy that casts floating-point forward
     inputs (FSDP2's ``cast_forward_inputs``) leaves a complex table in full precision.
     """
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
-    angles = torch.outer(torch.arange(seq_len, dtype=torch.float64), inv_freq)
+    cpu = torch.device("cpu")  # a CPU value whatever device is ambient; the caller moves it
+    inv_freq = 1.0 / theta ** (
+        torch.arange(0, head_dim, 2, dtype=torch.float64, device=cpu) / head_dim
+    )
+    angles = torch.outer(torch.arange(seq_len, dtype=torch.float64, device=cpu), inv_freq)
     return torch.polar(torch.ones_like(angles), angles).to(torch.complex64)
 
 
@@ -381,12 +384,12 @@ def _init_value(fqn: str, shape: tuple[int, ...], c: TransformerConfig, seed: in
     std = _init_std(fqn, c)
     if std is None:
         fill = 0.0 if fqn.endswith(".bias") else 1.0
-        return torch.full(shape, fill)
+        return torch.full(shape, fill, device="cpu")
     digest = hashlib.sha256(f"{seed}:{fqn}".encode()).digest()
-    gen = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+    gen = torch.Generator(device="cpu").manual_seed(int.from_bytes(digest[:8], "little") >> 1)
     # Normal truncated at +-3 std by inverse CDF, in one pass (torch's trunc_normal_ loops).
     lo, hi = (math.erf(z / math.sqrt(2.0)) for z in (-3.0, 3.0))  # 2 * cdf(z) - 1
-    value = torch.empty(shape).uniform_(lo, hi, generator=gen).erfinv_()
+    value = torch.empty(shape, device="cpu").uniform_(lo, hi, generator=gen).erfinv_()
     return value.mul_(std * math.sqrt(2.0)).clamp_(-3 * std, 3 * std)
 
 

@@ -199,7 +199,7 @@ def load_corpus(config: DataConfig | None = None) -> TextCorpus:
 
 def _generator(seed: int, step: int) -> torch.Generator:
     digest = hashlib.sha256(f"raggedfsdp.data:{seed}:{step}".encode()).digest()
-    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+    return torch.Generator(device="cpu").manual_seed(int.from_bytes(digest[:8], "little") >> 1)
 
 
 def get_batch(
@@ -251,14 +251,15 @@ def get_batch(
             f"get_batch: data has {data.numel()} bytes, fewer than seq_len + 1 = {seq_len + 1}; "
             f"lower seq_len or give more text"
         )
-    # The whole global batch's starts are drawn on every rank; then this rank's rows.
+    # The whole global batch's starts are drawn on every rank (on the CPU, whatever device
+    # is ambient, so the batch is the same everywhere); then this rank's rows.
     starts = torch.randint(
-        0, data.numel() - seq_len, (batch_size,), generator=_generator(seed, step)
+        0, data.numel() - seq_len, (batch_size,), generator=_generator(seed, step), device="cpu"
     )  # (batch_size,)
     rows = batch_size // world_size
     starts = starts[rank * rows : (rank + 1) * rows]
-    idx = starts[:, None] + torch.arange(seq_len + 1)  # (rows, seq_len + 1)
-    window = data[idx].long()
+    idx = starts[:, None] + torch.arange(seq_len + 1, device="cpu")  # (rows, seq_len + 1)
+    window = data[idx.to(data.device)].long()
     return window[:, :-1], window[:, 1:]
 
 

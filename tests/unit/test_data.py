@@ -66,6 +66,18 @@ def test_batch_is_deterministic_and_shifted(corpus):
     assert not torch.equal(x0, get_batch(corpus.train, step=3, **{**kw, "seed": 8})[0])
 
 
+def test_batch_ignores_the_ambient_device(corpus):
+    """The batch is drawn on the CPU whatever ``with torch.device(...)`` is around.
+
+    The meta device stands in for an accelerator (where the CPU generator failed).
+    """
+    kw = dict(seed=7, step=2, batch_size=4, seq_len=32)
+    x, y = get_batch(corpus.train, **kw)
+    with torch.device("meta"):
+        x1, y1 = get_batch(corpus.train, **kw)
+    assert torch.equal(x, x1) and torch.equal(y, y1)
+
+
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 6])
 def test_global_batch_does_not_depend_on_world_size(corpus, world):
     kw = dict(seed=1, batch_size=12, seq_len=32)

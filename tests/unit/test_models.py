@@ -84,6 +84,25 @@ def test_meta_init_equals_cpu_init(name):
     torch.testing.assert_close(meta(x), cpu(x), rtol=0, atol=0)
 
 
+def test_init_ignores_the_ambient_device():
+    """The values are drawn on the CPU whatever ``with torch.device(...)`` is around.
+
+    Found on a GPU: ``with torch.device("cuda"): Transformer(cfg)`` failed, its CPU
+    generator meeting a tensor created on the ambient device. The meta device stands
+    in for any device that is not the CPU.
+    """
+    config = get_config("moe-tiny")
+    reference = Transformer(config, seed=4, max_seq_len=32)
+    model = Transformer(config, seed=0, max_seq_len=32)
+    with torch.device("meta"):
+        model.init_weights(4)
+    for (fqn, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert torch.equal(p, q), fqn
+    assert torch.equal(model.rope, reference.rope)
+    with torch.device("meta"):
+        assert rotary_table(8, 4, 1e4).device == torch.device("cpu")
+
+
 def test_init_depends_on_seed_only():
     config = get_config("moe-tiny")
     a, b, c = Transformer(config, seed=1), Transformer(config, seed=1), Transformer(config, seed=2)
