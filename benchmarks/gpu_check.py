@@ -4,6 +4,10 @@ Prepared for a machine with one GPU (this project's machines have none):
 
     python benchmarks/gpu_check.py                 # NCCL, the accelerator torch finds
     python benchmarks/gpu_check.py --device cpu    # the same checks on gloo: a dry run
+    python benchmarks/gpu_check.py --profile DIR   # and each system's torch.profiler table
+
+On a machine whose torch is not 2.13 (the accelerator machine here had 2.11.0+cu130),
+set ``RAGGEDFSDP_UNTESTED_TORCH=1``; results are in ``benchmarks/results/gpu.md``.
 
 1. **World 1 over NCCL.** A single-process reference, raggedfsdp and FSDP2 train the
    same model from the same init with the same batches (torch AdamW); the table gives
@@ -96,7 +100,13 @@ def _child(system: str, part: str, device_type: str, steps: int, seq: int, batch
         torch.accelerator.synchronize()
         torch.accelerator.reset_peak_memory_stats()
     losses, times = [], []
-    for x in data:
+    profile_dir = os.environ.get("GPU_CHECK_PROFILE") if part == "nccl" else None
+    profiled = len(data) - 3  # the last 3 steps, warm
+    prof = None
+    for i, x in enumerate(data):
+        if profile_dir and i == profiled:
+            prof = _profiler(device)
+            prof.__enter__()
         t0 = time.perf_counter()
         loss = lm_loss(model(x[:, :-1]), x[:, 1:])
         loss.backward()
@@ -107,6 +117,9 @@ def _child(system: str, part: str, device_type: str, steps: int, seq: int, batch
         if device.type != "cpu":
             torch.accelerator.synchronize()
         times.append(time.perf_counter() - t0)
+    if prof is not None:
+        prof.__exit__(None, None, None)
+        _write_profile(prof, os.path.join(profile_dir, f"{system}.txt"), device)
     out = {
         "losses": losses,
         "step_s": statistics.median(times[1:] or times),  # the first step warms up
@@ -117,12 +130,31 @@ def _child(system: str, part: str, device_type: str, steps: int, seq: int, batch
     return out
 
 
+def _profiler(device):
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    return profile(activities=acts)
+
+
+def _write_profile(prof, path: str, device) -> None:
+    """Top ops of the profiled steps by self CPU time, and by device time where there is one."""
+    avg = prof.key_averages()
+    text = "## by self CPU time\n" + avg.table(sort_by="self_cpu_time_total", row_limit=30)
+    if device.type == "cuda":
+        text += "\n## by device time\n" + avg.table(sort_by="self_cuda_time_total", row_limit=30)
+    with open(path, "w") as f:
+        f.write(text)
+
+
 def _run(system: str, part: str, args) -> dict:
     cmd = [sys.executable, __file__, "--child", system, part, "--device", args.device]
     cmd += ["--steps", str(args.steps), "--seq", str(args.seq), "--batch", str(args.batch)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
     if done.returncode != 0:
-        return {"error": (done.stderr.strip().splitlines() or ["exit " + str(done.returncode)])[-1]}
+        tail = done.stderr.strip().splitlines()[-25:]
+        print(f"## {system}, {part}: exit {done.returncode}\n" + "\n".join(tail), file=sys.stderr)
+        return {"error": (tail or ["exit " + str(done.returncode)])[-1]}
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -137,6 +169,7 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=512)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--timeout", type=int, default=120, help="seconds per child process")
+    p.add_argument("--profile", metavar="DIR", help="write each system's profile of part 1 here")
     p.add_argument("--child", nargs=2, metavar=("SYSTEM", "PART"), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.device is None:
@@ -144,6 +177,9 @@ def main() -> None:
 
         acc = torch.accelerator.current_accelerator()
         args.device = acc.type if acc is not None else "cpu"
+    if args.profile:
+        os.makedirs(args.profile, exist_ok=True)
+        os.environ["GPU_CHECK_PROFILE"] = os.path.abspath(args.profile)
     if args.child:
         os.environ.setdefault("OMP_NUM_THREADS", "1")
         print(json.dumps(_child(*args.child, args.device, args.steps, args.seq, args.batch)))

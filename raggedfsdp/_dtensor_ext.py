@@ -28,7 +28,8 @@ custom op handlers                     norms safe on empty shards; in-place rand
 The patches are installed once, by ``install()``, when this module is imported (as
 ``RaggedShard`` is: ``from raggedfsdp import RaggedShard`` or ``fully_shard``),
 and only on the torch versions in ``_SUPPORTED_TORCH``; anything else refuses to
-import rather than risk silently wrong results. Torch's
+import rather than risk silently wrong results, unless ``RAGGEDFSDP_UNTESTED_TORCH=1``
+asks to try it (with a warning). Torch's
 ``distribute_tensor`` keeps its function object (names bound before ``import
 raggedfsdp`` see the change) and gets a trampoline as its code.
 """
@@ -36,7 +37,9 @@ raggedfsdp`` see the change) and gets a trampoline as its code.
 from __future__ import annotations
 
 import math
+import os
 import types
+import warnings
 from collections.abc import Sequence
 
 import torch
@@ -57,9 +60,13 @@ from torch.distributed.tensor._ops._math_ops import _NormPartial
 from torch.distributed.tensor._sharding_prop import LocalLRUCache
 from torch.utils import _pytree as pytree
 
+from raggedfsdp._collectives import all_gather_single, reduce_scatter_single
 from raggedfsdp.placement import RaggedShard
 
 _SUPPORTED_TORCH = ("2.13.",)
+# Set to "1" to import on another torch anyway, with a warning (how the GPU check ran on
+# the accelerator machine's own torch); the tests here run on the supported one only.
+UNTESTED_TORCH_ENV = "RAGGEDFSDP_UNTESTED_TORCH"
 aten = torch.ops.aten
 _installed = False
 
@@ -145,6 +152,8 @@ def _from_local(
                 f"DTensor.from_local: rank {coord} of {rs} over global shape {tuple(shape)} "
                 f"must hold a local tensor of shape {expected}, got {tuple(local_tensor.shape)}"
             )
+    # grad_placements only when given: torch before 2.12 has no such argument.
+    extra = {} if grad_placements is None else {"grad_placements": grad_placements}
     return _orig_from_local(
         local_tensor,
         device_mesh,
@@ -152,7 +161,7 @@ def _from_local(
         run_check=run_check,
         shape=shape,
         stride=stride,
-        grad_placements=grad_placements,
+        **extra,
     )
 
 
@@ -232,7 +241,7 @@ def _gather_ragged(local, ranges, group, full_shape) -> torch.Tensor:
     piece = local.new_zeros(width)
     piece[: local.numel()].copy_(local.reshape(-1))
     gathered = local.new_empty(world * width)
-    dist.all_gather_single(gathered, piece, group=group)
+    all_gather_single(gathered, piece, group=group)
     full = local.new_empty(math.prod(full_shape))
     for r, (start, end) in enumerate(ranges):
         full[start:end].copy_(gathered[r * width : r * width + end - start])
@@ -251,7 +260,7 @@ def _reduce_scatter_ragged(local, ranges, group, rank, op, dst_shape) -> torch.T
         for r, (start, end) in enumerate(ranges):
             padded[r * width : r * width + end - start].copy_(flat[start:end])
     out = local.new_empty(width)
-    dist.reduce_scatter_single(out, padded, op=op, group=group)
+    reduce_scatter_single(out, padded, op=op, group=group)
     start, end = ranges[rank]
     return out[: end - start].view(dst_shape)
 
@@ -708,10 +717,16 @@ def install() -> None:
     if _installed:
         return
     if not torch.__version__.startswith(_SUPPORTED_TORCH):
-        raise ImportError(
+        found = (
             f"raggedfsdp patches DTensor internals tested on torch {_SUPPORTED_TORCH}, "
-            f"found torch {torch.__version__}; install torch==2.13.0"
+            f"found torch {torch.__version__}"
         )
+        if os.environ.get(UNTESTED_TORCH_ENV) != "1":
+            raise ImportError(
+                f"{found}; install torch==2.13.0, or set {UNTESTED_TORCH_ENV}=1 to try this "
+                f"torch at your own risk (a patched internal may be missing or differ)"
+            )
+        warnings.warn(f"{found}; going on because {UNTESTED_TORCH_ENV}=1", stacklevel=2)
     DTensor.from_local = staticmethod(_from_local)
     # `from torch.distributed.tensor import distribute_tensor` may have bound torch's
     # function before raggedfsdp was imported: give that very function object our code.

@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from raggedfsdp._collectives import all_gather_single, reduce_scatter_single
 from raggedfsdp.placement import RaggedShard
 from raggedfsdp.planner import BufferLayout
 
@@ -146,7 +147,7 @@ class DBuffer:
         inp = self.shard.to(out.device, non_blocking=True)  # the shard itself unless offloaded
         if self.compute_dtype != self.dtype:
             inp = inp.to(self.compute_dtype)  # one cast of the whole shard
-        return dist.all_gather_single(out, inp, group=group, async_op=async_op), inp
+        return all_gather_single(out, inp, group=group, async_op=async_op), inp
 
     def reduce_scatter_grads(
         self,
@@ -168,5 +169,5 @@ class DBuffer:
         inp = self.global_grads.tensor if source is None else source
         if reduce_dtype != inp.dtype:
             inp = inp.to(reduce_dtype)  # one cast of the whole buffer
-        work = dist.reduce_scatter_single(out, inp, op=op, group=group, async_op=async_op)
+        work = reduce_scatter_single(out, inp, op=op, group=group, async_op=async_op)
         return work, None if inp is self.global_grads.tensor else inp

@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 
+from raggedfsdp._collectives import all_gather_single
 from raggedfsdp.dbuffer import DBuffer
 from raggedfsdp.fsdp._buffers import OWNER_ATTR, BufferView
 from raggedfsdp.fsdp._device import new_group_like, streams_for
@@ -291,7 +292,7 @@ class ParamGroup:
             if self.state is ShardedState.SHARDED_POST_FORWARD:  # a smaller gather
                 out, inp = self.dbuf.global_params.alloc(), self._post_forward_piece
                 pg = self.post_forward_group.process_group
-                work = dist.all_gather_single(out, inp, group=pg, async_op=True)
+                work = all_gather_single(out, inp, group=pg, async_op=True)
             else:
                 work, inp = self.dbuf.all_gather(self.process_group, async_op=True)
         self._gather = PendingGather(work, version, inp)

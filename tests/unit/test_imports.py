@@ -9,6 +9,7 @@ Each check runs in a fresh interpreter, so what this test process imported does 
 from __future__ import annotations
 
 import ast
+import os
 import subprocess
 import sys
 
@@ -62,3 +63,28 @@ def test_library_imports_without_the_application_packages():
         + f"print([m for m in {APPLICATION_ONLY!r} if m in sys.modules])"
     )
     assert _imported(code) == []
+
+
+def test_an_untested_torch_is_refused_unless_asked_for():
+    """Another torch: ImportError naming the fix, or, with the variable set, a warning."""
+    code = (
+        "import sys, warnings\nimport torch\ntorch.__version__ = '2.11.0+cu130'\n"
+        "try:\n"
+        "    with warnings.catch_warnings(record=True) as seen:\n"
+        "        warnings.simplefilter('always')\n"
+        "        import raggedfsdp.placement\n"
+        "    print([str(w.message) for w in seen if 'untested' in str(w.message).lower()\n"
+        "           or 'tested on torch' in str(w.message)])\n"
+        "except ImportError as e:\n"
+        "    print([str(e)])\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "RAGGEDFSDP_UNTESTED_TORCH"}
+    for value, expected in ((None, "install torch==2.13.0, or set"), ("1", "going on because")):
+        if value is not None:
+            env["RAGGEDFSDP_UNTESTED_TORCH"] = value
+        done = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        (message,) = ast.literal_eval(done.stdout.strip().splitlines()[-1])
+        assert "found torch 2.11.0+cu130" in message and expected in message, message
