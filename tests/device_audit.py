@@ -14,6 +14,7 @@ The library is ``raggedfsdp/`` without the application: ``train/``, ``models/``
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -70,3 +71,58 @@ class DeviceAudit(TorchFunctionMode):
                 rel = Path(caller.f_code.co_filename).resolve().relative_to(LIBRARY.parent)
                 self.violations.append(f"{rel}:{caller.f_lineno} torch.{func.__name__}")
         return func(*args, **kwargs)
+
+
+# Reading a tensor's value on the host: on an accelerator each waits for the device.
+HOST_READS = ("tolist", "item", "numpy", "cpu", "__bool__", "__int__", "__float__", "__index__")
+
+
+class HostReadAudit:
+    """Records ``"path:line what"`` for every host read of a tensor value by library code.
+
+    A host read (``.item()``, ``.tolist()``, ``bool(t)``, ``.cpu()``, ...) or a tensor
+    built from Python data on the device (``torch.tensor(list, device=...)``) makes the
+    host wait for the device on an accelerator. On this CPU-only machine nothing waits,
+    but the calls are the same: a steady-state step of the runtime must make none.
+    """
+
+    def __init__(self, exempt: Iterable[torch.Tensor] = ()):
+        """``exempt``: tensors whose reads are by design (CPU step counters, say)."""
+        self.reads: list[str] = []
+        self._exempt = {id(t) for t in exempt}
+        self._saved: dict[str, object] = {}
+
+    def _where(self) -> str | None:
+        frame = sys._getframe(2)
+        if not is_library_file(frame.f_code.co_filename):
+            return None
+        rel = Path(frame.f_code.co_filename).resolve().relative_to(LIBRARY.parent)
+        return f"{rel}:{frame.f_lineno}"
+
+    def _wrap(self, name: str, orig):
+        audit = self
+
+        def read(*args, **kwargs):
+            where = audit._where()
+            if where is not None and not (args and id(args[0]) in audit._exempt):
+                audit.reads.append(f"{where} {name}")
+            return orig(*args, **kwargs)
+
+        return read
+
+    def __enter__(self) -> HostReadAudit:
+        for name in HOST_READS:
+            self._saved[name] = getattr(torch.Tensor, name)
+            setattr(torch.Tensor, name, self._wrap(f"Tensor.{name}", self._saved[name]))
+        for name in ("tensor", "as_tensor"):
+            self._saved["torch." + name] = getattr(torch, name)
+            setattr(torch, name, self._wrap(f"torch.{name}", getattr(torch, name)))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for name, orig in self._saved.items():
+            if name.startswith("torch."):
+                setattr(torch, name.removeprefix("torch."), orig)
+            else:
+                setattr(torch.Tensor, name, orig)
+        self._saved.clear()

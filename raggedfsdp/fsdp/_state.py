@@ -340,19 +340,11 @@ class FSDPState:
             s.training_state = TrainingState.IDLE
         pending = [s.group for s in self._states if s.group is not None and s.group.reduce_pending]
         if pending:
-            flags = torch.tensor(
-                [f for g in pending for f in g.local_grad_flags()],
-                dtype=torch.uint8,
-                device=pending[0].device,
-            )
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=pending[0].process_group)
-            if pending[0].replicate_group is not None:  # HSDP: a gradient on any replica
-                dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=pending[0].replicate_group)
-            flags = flags.bool().tolist()
+            got_grad = _any_rank_got_grad(pending)
             for g in pending:
                 n = len(g.refs)
-                g.finalize_grads(flags[:n])
-                flags = flags[n:]
+                g.finalize_grads(got_grad[:n])
+                got_grad = got_grad[n:]
         self._callback_queued = False
         self._reduce_order = []
 
@@ -367,6 +359,31 @@ class FSDPState:
                 s.group.reset_iter_state()
         self._callback_queued = False
         self._reduce_order = []
+
+
+def _any_rank_got_grad(pending: list[ParamGroup]) -> list[bool]:
+    """Per parameter of ``pending``: did any rank's backward give it a gradient?
+
+    [Note: unused parameters] Single-process semantics: a parameter that no rank used
+    keeps ``.grad`` None (an optimizer then skips it); one that some rank used gets the
+    reduced gradient, on every rank. Ranks agree through one MAX all-reduce of a flag
+    per parameter, which every rank issues every backward (ranks cannot know whether
+    another needs it). Only a rank that lacks a gradient itself reads the result back
+    to the host, where the answer is unknown to it: a rank that got every gradient
+    knows every answer is yes (the MAX of its ones), so the common step makes no host
+    read and the host never waits for the device. Frozen parameters count as got:
+    they get no gradient either way.
+    """
+    local = [ref.got_grad or not ref.requires_grad for g in pending for ref in g.refs]
+    device, missing = pending[0].device, not all(local)
+    if missing:  # built from the host's list: a copy to the device, on this rare path only
+        flags = torch.tensor(local, dtype=torch.uint8, device=device)
+    else:
+        flags = torch.ones(len(local), dtype=torch.uint8, device=device)
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=pending[0].process_group)
+    if pending[0].replicate_group is not None:  # HSDP: a gradient on any replica
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=pending[0].replicate_group)
+    return flags.bool().tolist() if missing else local
 
 
 class _PostBackward(torch.autograd.Function):

@@ -194,6 +194,51 @@ def _check_twice_unused_frozen(mesh, rank, world):
         torch.testing.assert_close(q.full_tensor(), p.detach(), msg=n)
 
 
+class _Branchy(nn.Module):
+    """``branch`` runs only on the ranks listed in the forward call; ``never`` runs nowhere."""
+
+    def __init__(self):
+        super().__init__()
+        self.trunk = nn.Linear(6, 6)
+        self.branch = nn.Linear(6, 6)
+        self.never = nn.Linear(6, 6)
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x, use_branch: bool):
+        h = torch.tanh(self.trunk(x))
+        if use_branch:
+            h = h + self.branch(h)
+        return self.head(h)
+
+
+def _check_rank_divergent_use(mesh, rank, world):
+    """A parameter used on one rank only gets the reduced gradient on every rank (the
+    ranks that lacked it read the flags back; the rank that had every gradient does
+    not), and one used on no rank keeps ``.grad`` None: single-process semantics."""
+    torch.manual_seed(0)
+    ref, model = _Branchy(), _Branchy()
+    model.load_state_dict(ref.state_dict())
+    fully_shard(model, mesh=mesh)
+    xs = torch.randn(world, 4, 6, generator=torch.Generator().manual_seed(5))
+    user = world - 1  # the only rank that runs ``branch``
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.1)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    for _ in range(2):
+        for r in range(world):
+            ref(xs[r], r == user).square().mean().mul(1.0 / world).backward()
+        model(xs[rank], rank == user).square().mean().backward()
+        for (n, p), q in zip(ref.named_parameters(), model.parameters()):
+            assert (p.grad is None) == (q.grad is None), n
+            if p.grad is not None:
+                torch.testing.assert_close(q.grad.full_tensor(), p.grad, msg=n)
+        ref_opt.step()
+        opt.step()
+        ref_opt.zero_grad()
+        opt.zero_grad()
+    for (n, p), q in zip(ref.named_parameters(), model.parameters()):
+        torch.testing.assert_close(q.full_tensor(), p.detach(), msg=n)
+
+
 def _check_flat_adamw_frozen(mesh, rank, world):
     """A frozen parameter sharing a buffer is not decayed by the fused whole-buffer step."""
     torch.manual_seed(0)
@@ -266,6 +311,7 @@ def _grid_features(rank, world):
                 _check_mixed_precision, mesh, rank, world, dict(param_dtype=torch.bfloat16)
             ),
             "twice / unused / frozen": partial(_check_twice_unused_frozen, mesh, rank, world),
+            "used on one rank only": partial(_check_rank_divergent_use, mesh, rank, world),
             "module methods + state dicts": partial(_check_module_methods, mesh, rank, world),
             "flat adamw + frozen": partial(_check_flat_adamw_frozen, mesh, rank, world),
         }
