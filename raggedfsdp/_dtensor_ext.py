@@ -41,6 +41,7 @@ import os
 import types
 import warnings
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -77,9 +78,19 @@ _installed = False
 def ragged_axis(placements: Sequence) -> tuple[int, RaggedShard] | None:
     """The (mesh axis, RaggedShard) of ``placements``, or None.
 
+    [Note: composed placements] A RaggedShard may follow ``Shard(d)`` placements on
+    earlier mesh axes: placements apply left to right, so the Shard axes cut the global
+    tensor first (evenly) and the RaggedShard cuts the rows of the piece they leave.
+    That is FSDP x TP: the sharded parameter lives on the ``(tp, dp)`` mesh placed
+    ``(Shard(d), RaggedShard(...))``, the TP shard's rows cut over the data-parallel
+    ranks. (FSDP2 puts the dp axis first and calls its placement ``_StridedShard``;
+    putting the tp axis first says the same with plain placements.) ``Replicate()``
+    may sit on any other axis (HSDP).
+
     Raises:
         ValueError: more than one RaggedShard in one placement tuple.
-        NotImplementedError: a RaggedShard beside a non-Replicate placement.
+        NotImplementedError: a Partial or other placement beside a RaggedShard, or a
+            Shard after it.
     """
     found = [(i, p) for i, p in enumerate(placements) if isinstance(p, RaggedShard)]
     if not found:
@@ -90,20 +101,69 @@ def ragged_axis(placements: Sequence) -> tuple[int, RaggedShard] | None:
             "axis may be RaggedShard, use Replicate() on the others"
         )
     axis, rs = found[0]
-    others = [p for i, p in enumerate(placements) if i != axis and not p.is_replicate()]
-    if others:
+    for i, p in enumerate(placements):
+        if i == axis or p.is_replicate():
+            continue
+        if type(p) is Shard and i < axis:
+            continue
+        where = "after" if i > axis else "beside"
         raise NotImplementedError(
-            f"placements {tuple(placements)}: a RaggedShard can only be combined with "
-            f"Replicate() on the other mesh axes, got {others[0]}"
+            f"placements {tuple(placements)}: a RaggedShard composes with Replicate() on any "
+            f"mesh axis and Shard(d) on the axes before it, got {p} {where} it; "
+            "redistribute that axis first"
         )
     return axis, rs
 
 
-def _check(spec_shape: Sequence[int], mesh, placements: Sequence) -> tuple[int, RaggedShard, int]:
-    """Validate a RaggedShard spec; return (mesh axis, placement, this rank's coordinate)."""
+class RaggedPiece(NamedTuple):
+    """Where a RaggedShard cuts, under the Shard axes before it ([Note: composed placements])."""
+
+    axis: int  # the RaggedShard's mesh axis
+    rs: RaggedShard
+    shape: tuple[int, ...]  # the piece the earlier Shard axes leave: what the rows cut
+    offset: tuple[int, ...]  # that piece's offset in the global tensor
+    coord: int  # this rank's coordinate on the RaggedShard axis
+
+    def chunk(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's piece of the global tensor ``full`` (a view)."""
+        for d, (o, n) in enumerate(zip(self.offset, self.shape)):
+            if n != full.shape[d]:
+                full = full.narrow(d, o, n)
+        return full
+
+    def rows(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's local tensor from the global tensor ``full`` (a view when it can be)."""
+        return self.rs.local_view(self.chunk(full).contiguous(), self.coord)
+
+
+def ragged_piece(global_shape: Sequence[int], mesh, placements: Sequence) -> RaggedPiece:
+    """The RaggedShard of ``placements`` and the piece of ``global_shape`` it cuts.
+
+    Raises:
+        NotImplementedError: a Shard axis that does not split its dim evenly.
+    """
     axis, rs = ragged_axis(placements)
-    rs.validate_for(tuple(spec_shape), mesh.size(axis))
-    return axis, rs, mesh.get_local_rank(axis)
+    shape, offset = list(global_shape), [0] * len(global_shape)
+    for i, p in enumerate(placements[:axis]):
+        if p.is_replicate():
+            continue
+        n = mesh.size(i)
+        if shape[p.dim] % n:
+            raise NotImplementedError(
+                f"placements {tuple(placements)} over shape {tuple(global_shape)}: {p} on mesh "
+                f"axis {i} splits {shape[p.dim]} over {n} ranks unevenly; a RaggedShard after "
+                "a Shard needs an even Shard (pad the dim, or change the parallel plan)"
+            )
+        shape[p.dim] //= n
+        offset[p.dim] += mesh.get_local_rank(i) * shape[p.dim]
+    return RaggedPiece(axis, rs, tuple(shape), tuple(offset), mesh.get_local_rank(axis))
+
+
+def _check(spec_shape: Sequence[int], mesh, placements: Sequence) -> RaggedPiece:
+    """Validate a RaggedShard spec; return where it cuts for this rank."""
+    piece = ragged_piece(spec_shape, mesh, placements)
+    piece.rs.validate_for(piece.shape, mesh.size(piece.axis))
+    return piece
 
 
 def _is_ragged(spec: DTensorSpec) -> bool:
@@ -145,11 +205,12 @@ def _from_local(
                 "DTensor.from_local with a RaggedShard needs the global shape= and stride=: "
                 "ranks hold different numbers of rows, so they cannot be inferred"
             )
-        _, rs, coord = _check(shape, mesh, placements)
-        expected = rs.local_shape(shape, coord)
+        piece = _check(shape, mesh, placements)
+        expected = piece.rs.local_shape(piece.shape, piece.coord)
         if tuple(local_tensor.shape) != expected:
             raise ValueError(
-                f"DTensor.from_local: rank {coord} of {rs} over global shape {tuple(shape)} "
+                f"DTensor.from_local: rank {piece.coord} of {piece.rs} over global shape "
+                f"{tuple(shape)}{'' if piece.shape == tuple(shape) else f' (piece {piece.shape})'} "
                 f"must hold a local tensor of shape {expected}, got {tuple(local_tensor.shape)}"
             )
     # grad_placements only when given: torch before 2.12 has no such argument.
@@ -176,11 +237,11 @@ def _distribute_tensor(tensor, device_mesh=None, placements=None, *, src_data_ra
     if placements is None or ragged_axis(placements) is None:
         return _orig_distribute_tensor(tensor, device_mesh, placements, src_data_rank=src_data_rank)
     mesh = device_mesh or dtensor_api._mesh_resources.get_current_mesh()
-    axis, rs, coord = _check(tensor.shape, mesh, placements)
-    replicated = [Replicate() if i == axis else p for i, p in enumerate(placements)]
+    piece = _check(tensor.shape, mesh, placements)
+    replicated = [Replicate() if i == piece.axis else p for i, p in enumerate(placements)]
     full = _orig_distribute_tensor(tensor, mesh, replicated, src_data_rank=src_data_rank)
-    # clone: the rank keeps its rows only, not the whole broadcast tensor.
-    local = rs.local_view(full._local_tensor.contiguous(), coord).clone()
+    # full's local tensor is the piece; clone: the rank keeps its rows only.
+    local = piece.rs.local_view(full._local_tensor.contiguous(), piece.coord).clone()
     spec = DTensorSpec(
         mesh, tuple(placements), tensor_meta=TensorMeta(tensor.shape, tensor.stride(), tensor.dtype)
     )
@@ -288,17 +349,22 @@ def _redistribute_local_tensor(
     ]
     if not changed:
         return local_tensor
-    if len(changed) > 1:
-        raise NotImplementedError(
-            f"redistribute {current_spec.placements} -> {target_spec.placements} changes "
-            "several mesh axes at once; with a RaggedShard, change one axis per redistribute"
-        )
+    if len(changed) > 1:  # [Note: composed placements]: the ragged axis on its own
+        return _redistribute_in_steps(local_tensor, current_spec, target_spec, async_op=async_op)
     axis = changed[0]
     src, dst = current_spec.placements[axis], target_spec.placements[axis]
-    mesh, shape = current_spec.mesh, tuple(current_spec.shape)
-    for placements in (current_spec.placements, target_spec.placements):
-        if ragged_axis(placements) is not None:
-            _check(shape, mesh, placements)
+    mesh = current_spec.mesh
+    ragged = target_spec if isinstance(dst, RaggedShard) else current_spec
+    # The rows the RaggedShard cuts: the piece the Shard axes before it leave.
+    shape = _check(tuple(ragged.shape), mesh, ragged.placements).shape
+    for spec in (current_spec, target_spec):
+        if ragged_axis(spec.placements) is not None:
+            _check(tuple(spec.shape), mesh, spec.placements)
+    if shape != tuple(current_spec.shape) and Shard in (type(src), type(dst)):
+        raise NotImplementedError(
+            f"redistribute {current_spec.placements} -> {target_spec.placements}: under a Shard "
+            "axis, a RaggedShard converts to and from Replicate() (and from Partial) only"
+        )
     group, rank, world = mesh.get_group(axis), mesh.get_local_rank(axis), mesh.size(axis)
 
     if isinstance(dst, RaggedShard):
@@ -328,6 +394,46 @@ def _redistribute_local_tensor(
         f"redistribute RaggedShard -> {dst} is not supported; "
         "RaggedShard converts to Replicate(), Shard(0) and other RaggedShards"
     )
+
+
+def _redistribute_in_steps(local_tensor, current_spec, target_spec, *, async_op=False):
+    """Several mesh axes change: gather the current RaggedShard axis first (to
+    Replicate), let torch change the others, then cut the target's RaggedShard axis
+    (a local slice). Each step sees one RaggedShard at most on one axis."""
+
+    def respec(spec, placements):
+        return DTensorSpec(spec.mesh, tuple(placements), tensor_meta=spec.tensor_meta)
+
+    spec = current_spec
+    found = ragged_axis(spec.placements)
+    if found is not None and spec.placements[found[0]] != target_spec.placements[found[0]]:
+        step = respec(
+            spec, [Replicate() if i == found[0] else p for i, p in enumerate(spec.placements)]
+        )
+        local_tensor = _redistribute_local_tensor(local_tensor, spec, step)
+        spec = step
+    found = ragged_axis(target_spec.placements)
+    middle = target_spec
+    if found is not None and spec.placements[found[0]] != target_spec.placements[found[0]]:
+        middle = respec(
+            target_spec,
+            [Replicate() if i == found[0] else p for i, p in enumerate(target_spec.placements)],
+        )
+    if _is_ragged(spec) or _is_ragged(middle):
+        changed = [i for i, (a, b) in enumerate(zip(spec.placements, middle.placements)) if a != b]
+        if changed:
+            raise NotImplementedError(
+                f"redistribute {current_spec.placements} -> {target_spec.placements}: the mesh "
+                f"axes {changed} change beside an unchanged RaggedShard; redistribute the "
+                "RaggedShard axis to Replicate() first"
+            )
+    elif spec != middle:
+        local_tensor = _orig_redistribute_local_tensor(
+            local_tensor, spec, middle, async_op=async_op
+        )
+    if middle is not target_spec:
+        local_tensor = _redistribute_local_tensor(local_tensor, middle, target_spec)
+    return local_tensor
 
 
 # ---------------------------------------------------------------------------------------------
@@ -516,7 +622,7 @@ def _reduced_placement(placements, norm_type=None):
     """A full reduction of each placement: RaggedShard -> Partial, Replicate stays."""
     out = []
     for p in placements:
-        if isinstance(p, RaggedShard):
+        if isinstance(p, RaggedShard | Shard):  # Shard: before it ([Note: composed placements])
             out.append(_partial_for_norm(norm_type))
         elif p.is_replicate():
             out.append(p)
@@ -657,15 +763,16 @@ def _range_to_boxes(start: int, end: int, dims: Sequence[int]) -> list[tuple[tup
 
 def _local_boxes(t: DTensor) -> list[tuple[torch.Size, torch.Size, torch.Tensor]]:
     """(global offsets, sizes, local view) of each DCP box of a RaggedShard DTensor."""
-    axis, rs = ragged_axis(t.placements)
-    shape = tuple(t.shape)
+    piece = ragged_piece(tuple(t.shape), t.device_mesh, t.placements)
+    rs, shape = piece.rs, piece.shape
     k, rest = len(rs.dims), shape[len(rs.dims) :]
-    start, end = rs.local_row_range(shape, t.device_mesh.get_local_rank(axis))
+    start, end = rs.local_row_range(shape, piece.coord)
     local, cursor, boxes = t._local_tensor, 0, []
     for offsets, sizes in _range_to_boxes(start, end, shape[:k]):
         rows = math.prod(sizes)
         view = local[cursor : cursor + rows].view(*sizes, *rest)
-        boxes.append((torch.Size((*offsets, *(0,) * len(rest))), torch.Size((*sizes, *rest)), view))
+        at = [o + p for o, p in zip((*offsets, *(0,) * len(rest)), piece.offset)]
+        boxes.append((torch.Size(at), torch.Size((*sizes, *rest)), view))
         cursor += rows
     return boxes
 

@@ -17,7 +17,7 @@ import torch.distributed.tensor._utils as dtensor_utils
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
-from raggedfsdp._dtensor_ext import _copy_of, _is_ragged, _to_torch, ragged_axis
+from raggedfsdp._dtensor_ext import _copy_of, _is_ragged, _to_torch, ragged_axis, ragged_piece
 from raggedfsdp.placement import RaggedShard
 
 __all__ = [
@@ -69,13 +69,10 @@ def random_handler(op_call, args, kwargs):
         raise NotImplementedError(f"{op_call} with DTensor arguments on a RaggedShard DTensor")
     local = target._local_tensor
     if local.device.type != "meta":
-        axis, placement = ragged_axis(target.placements)
-        rank = target.device_mesh.get_local_rank(axis)
+        piece = ragged_piece(tuple(target.shape), target.device_mesh, target.placements)
         full = torch.empty(target.shape, dtype=target.dtype, device=local.device)
         op_call(full, *args[1:], **kwargs)  # the whole tensor, as one device draws it
-        lo, hi = placement.local_row_range(target.shape, rank)
-        row = placement.row_numel(target.shape)
-        local.view(-1).copy_(full.view(-1)[lo * row : hi * row])
+        local.copy_(piece.rows(full))
     return target
 
 
@@ -91,7 +88,9 @@ def any_all_handler(op_call, args, kwargs):
     mesh = target.device_mesh
     local = op_call(target._local_tensor).to(torch.uint8)
     op = dist.ReduceOp.MAX if op_call is aten.any.default else dist.ReduceOp.MIN
-    dist.all_reduce(local, op=op, group=mesh.get_group(axis))
+    for i, p in enumerate(target.placements):  # the RaggedShard and any Shard before it
+        if not p.is_replicate():
+            dist.all_reduce(local, op=op, group=mesh.get_group(i))
     return DTensor.from_local(local.bool(), mesh, [Replicate()] * mesh.ndim, run_check=False)
 
 
@@ -105,6 +104,11 @@ def select_handler(op_call, args, kwargs):
     dim, index = (args[1], args[2]) if len(args) > 2 else (kwargs["dim"], kwargs["index"])
     shape = tuple(target.shape)
     axis, rs = ragged_axis(target.placements)
+    if any(not p.is_replicate() for i, p in enumerate(target.placements) if i != axis):
+        raise NotImplementedError(
+            f"select of a DTensor placed {target.placements}: only a RaggedShard beside "
+            "Replicate() is supported; redistribute to Replicate() first"
+        )
     k = len(rs.dims)
     if dim % len(shape) != 0 or len(shape) < 2:
         raise NotImplementedError(
@@ -161,14 +165,13 @@ def _local_shape_and_offset(global_shape, mesh, placements, skip_offset=False):
     Raises:
         NotImplementedError: rows that are not a box of the global tensor.
     """
-    found = ragged_axis(placements)
-    if found is None:
+    if ragged_axis(placements) is None:
         return _orig_local_shape_and_offset(global_shape, mesh, placements, skip_offset)
-    axis, rs = found
-    rank = mesh.get_local_rank(axis)
-    lo, hi = rs.local_row_range(global_shape, rank)
+    piece = ragged_piece(tuple(global_shape), mesh, placements)
+    rs, rank, cut = piece.rs, piece.coord, piece.shape  # see [Note: composed placements]
+    lo, hi = rs.local_row_range(cut, rank)
     k = len(rs.dims)
-    lead, rest = tuple(global_shape[:k]), tuple(global_shape[k:])
+    lead, rest = tuple(cut[:k]), tuple(cut[k:])
     inner = math.prod(lead[1:])  # rows per index of dim 0
     if k == 1:
         shape, offset = (hi - lo, *rest), (lo,)
@@ -183,6 +186,7 @@ def _local_shape_and_offset(global_shape, mesh, placements, skip_offset=False):
             "that keeps whole members (BlockPolicy(rows='whole'))"
         )
     offset = (*offset, *([0] * (len(global_shape) - len(offset))))
+    offset = tuple(o + p for o, p in zip(offset, piece.offset))
     return shape, offset
 
 
@@ -198,9 +202,10 @@ def _distribute_tensors(local_state_dict, keys, device, pg=None):
         local_state, full = entry
         if isinstance(local_state, DTensor) and _is_ragged(local_state._spec):
             ragged.append(key)
-            axis, rs = ragged_axis(local_state.placements)
-            rank = local_state.device_mesh.get_local_rank(axis)
-            rows = rs.local_view(full.contiguous(), rank)
+            piece = ragged_piece(
+                tuple(local_state.shape), local_state.device_mesh, local_state.placements
+            )
+            rows = piece.rows(full)
             if local_state.is_meta:
                 local_state = DTensor.from_local(
                     rows.detach().clone(),

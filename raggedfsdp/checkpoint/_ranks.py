@@ -98,14 +98,16 @@ def quiet(ranks: Ranks):
 
 
 def default_group(model: nn.Module, process_group):
-    """The group of the model's mesh (its first DTensor), else the default group, else None."""
+    """Every rank of the model's device mesh (the root mesh of its first DTensor: a
+    ``(dp, tp)`` mesh's tp ranks save and load with the dp ranks), else the default
+    group, else None."""
     if process_group is not None:
         return process_group
     if not dist.is_initialized():
         return None
     for p in model.parameters():
         if isinstance(p, DTensor):
-            return _mesh_group(p.device_mesh)
+            return _mesh_group(p.device_mesh._get_root_mesh())
     return dist.group.WORLD
 
 

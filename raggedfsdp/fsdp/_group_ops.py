@@ -77,11 +77,26 @@ def clip_grad_norm_(
     params = [p for p in parameters if p.grad is not None]
     norm_type = float(norm_type)
     groups, rest = split_whole_buffers(params)
-    sharded = [g.shard_grad for g in groups]  # 1D, S elements each
-    sharded += [_local(p.grad) for p in rest if isinstance(p.grad, DTensor)]
-    replicated = [p.grad for p in rest if not isinstance(p.grad, DTensor)]
-
-    device = next((t.device for t in sharded + replicated), torch.device("cpu"))
+    for g in [g for g in groups if g.tensor_parallel]:  # norms summed over different axes
+        groups.remove(g)
+        rest.extend(s.param for s in g.params if s.requires_grad and s.param.grad is not None)
+    # Each local part, keyed by the process groups its norm is summed over: the mesh
+    # axes its tensor is sharded on (a whole buffer: the shard dim; FSDP x TP: tp and
+    # the shard dim, or the shard dim alone for a tp-Replicate parameter; a replicated
+    # plain tensor: none).
+    parts: dict[tuple, list[torch.Tensor]] = {}
+    for g in groups:
+        parts.setdefault((g.process_group,), []).append(g.shard_grad)  # 1D, S elements
+    for p in rest:
+        grad = p.grad
+        key = ()
+        if isinstance(grad, DTensor):
+            mesh = grad.device_mesh
+            key = tuple(
+                mesh.get_group(i) for i, q in enumerate(grad.placements) if not q.is_replicate()
+            )
+        parts.setdefault(key, []).append(_local(grad))
+    device = next((t.device for ts in parts.values() for t in ts), torch.device("cpu"))
 
     def zero():
         return torch.zeros((), device=device)
@@ -89,20 +104,20 @@ def clip_grad_norm_(
     def norms(tensors):
         return [torch.linalg.vector_norm(t.float(), norm_type) for t in tensors if t.numel()]
 
-    pg = _process_group(groups)
-    reduce_sharded = bool(groups) or any(isinstance(p.grad, DTensor) for p in rest)
-    if math.isinf(norm_type):
-        part = torch.stack([zero(), *norms(sharded)]).max()
-        if reduce_sharded:
-            dist.all_reduce(part, op=dist.ReduceOp.MAX, group=pg)
-        total = torch.stack([part, *norms(replicated)]).max()
-    else:
-        powers = [n**norm_type for n in norms(sharded)]
-        part = torch.stack(powers).sum() if powers else zero()
-        if reduce_sharded:
-            dist.all_reduce(part, group=pg)
-        rep = sum((n**norm_type for n in norms(replicated)), zero())
-        total = (part + rep) ** (1.0 / norm_type)
+    inf = math.isinf(norm_type)
+    op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
+    total = zero()
+    for key, tensors in parts.items():
+        if inf:
+            part = torch.stack([zero(), *norms(tensors)]).max()
+        else:
+            powers = [n**norm_type for n in norms(tensors)]
+            part = torch.stack(powers).sum() if powers else zero()
+        for pg in key:
+            dist.all_reduce(part, op=op, group=pg)
+        total = torch.maximum(total, part) if inf else total + part
+    if not inf:
+        total = total ** (1.0 / norm_type)
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(
             f"clip_grad_norm_: the total norm of order {norm_type} is non-finite ({total.item()}); "
@@ -114,7 +129,3 @@ def clip_grad_norm_(
     for p in rest:
         _local(p.grad).mul_(coef.to(p.grad.dtype))
     return total
-
-
-def _process_group(groups: list[BufferView]):
-    return groups[0].process_group if groups else None

@@ -17,6 +17,7 @@ from raggedfsdp.fsdp._buffers import OWNER_ATTR, BufferView
 from raggedfsdp.fsdp._device import new_group_like, streams_for
 from raggedfsdp.fsdp._policy import MixedPrecisionPolicy, resolve_block_rows
 from raggedfsdp.fsdp._state import PostForwardGroup
+from raggedfsdp.fsdp._tp import TPSpec, tp_spec_of
 from raggedfsdp.placement import RaggedShard
 from raggedfsdp.planner import TensorSpec, plan_buffer
 
@@ -74,8 +75,9 @@ class ParamRef:
     shape: torch.Size
     requires_grad: bool
     placement: RaggedShard | None = None
+    tp: TPSpec | None = None  # placed by tensor parallelism too: see [Note: FSDP x TP]
     sharded: nn.Parameter | None = None  # DTensor(RaggedShard) over a shard-storage view
-    unsharded: nn.Parameter | None = None  # plain tensor over a global-storage view
+    unsharded: nn.Parameter | None = None  # over a global-storage view (plain, or TP DTensor)
     sharded_grad: DTensor | None = None  # DTensor over a shard-gradient view (cached)
     got_grad: bool = False  # this rank accumulated a gradient into it this backward
     hooks: list = field(default_factory=list)
@@ -150,6 +152,10 @@ class ParamGroup:
         self.replicate_size = mesh.size(0) if mesh.ndim == 2 else 1
         self.requires_all_reduce = True  # HSDP: False skips the all-reduce (accumulation)
         self._partial_reduce: torch.Tensor | None = None  # 1D, S: reduced, not all-reduced
+        for ref, p in zip(refs, originals):
+            ref.tp = tp_spec_of(ref.fqn, p, mesh)
+        # What the group lays out: each parameter's local tensor (its TP piece, if any).
+        originals = [p.to_local() if ref.tp is not None else p for ref, p in zip(refs, originals)]
         dtypes = {p.dtype for p in originals}
         if len(dtypes) != 1:
             raise NotImplementedError(
@@ -207,9 +213,14 @@ class ParamGroup:
         self.reduce_process_group = self.process_group  # or its own (separate RS group)
 
     def placements(self, ref: ParamRef) -> list:
-        """The sharded parameter's placements: ``[Replicate()]`` on the replicate dim (HSDP),
-        then its RaggedShard."""
-        return [Replicate()] * (self.mesh.ndim - 1) + [ref.placement]
+        """The sharded parameter's placements: its TP placement (FSDP x TP), ``[Replicate()]``
+        on the replicate dim (HSDP), then its RaggedShard."""
+        tp = list(ref.tp.placements) if ref.tp is not None else []
+        return tp + [Replicate()] * (self.mesh.ndim - 1) + [ref.placement]
+
+    def param_mesh(self, ref: ParamRef):
+        """The sharded parameter's mesh: the group's, or ``(tp, *group dims)``."""
+        return ref.tp.composed_mesh if ref.tp is not None else self.mesh
 
     def _expect(self, action: str, *states: ShardedState) -> None:
         if self.state not in states:
@@ -234,7 +245,7 @@ class ParamGroup:
         local = self.dbuf.shard_view(ref.fqn)
         stride = torch.empty(ref.shape, device="meta").stride()
         dt = DTensor.from_local(
-            local, self.mesh, self.placements(ref), shape=ref.shape, stride=stride
+            local, self.param_mesh(ref), self.placements(ref), shape=ref.shape, stride=stride
         )
         if ref.sharded is None:
             ref.sharded = nn.Parameter(dt, requires_grad=ref.requires_grad)
@@ -312,9 +323,10 @@ class ParamGroup:
         self._post_forward_piece = None
         for ref in self.refs:
             if ref.unsharded is None:
-                ref.unsharded = nn.Parameter(
-                    self.dbuf.global_view(ref.fqn), requires_grad=ref.requires_grad
-                )
+                view = self.dbuf.global_view(ref.fqn)
+                if ref.tp is not None:  # the module's TP DTensor over the view
+                    view = ref.tp.unsharded(view, ref.requires_grad)
+                ref.unsharded = nn.Parameter(view, requires_grad=ref.requires_grad)
                 if ref.requires_grad:
                     ref.hooks.append(
                         ref.unsharded.register_post_accumulate_grad_hook(_mark_got_grad(ref))
@@ -372,7 +384,8 @@ class ParamGroup:
             grads.alloc().zero_()
         for ref in self.refs:
             if ref.requires_grad and ref.unsharded is not None and ref.unsharded.grad is None:
-                ref.unsharded.grad = self.dbuf.global_grad_view(ref.fqn)
+                grad = self.dbuf.global_grad_view(ref.fqn)
+                ref.unsharded.grad = grad if ref.tp is None else ref.tp.unsharded(grad, False)
 
     def post_backward(self, reshard: bool) -> None:
         """The group's gradients are complete: start the reduce-scatter (or keep them)."""
@@ -542,7 +555,7 @@ class ParamGroup:
             if ref.sharded_grad is None:
                 ref.sharded_grad = DTensor.from_local(
                     self.dbuf.shard_grad_view(ref.fqn),
-                    self.mesh,
+                    self.param_mesh(ref),
                     self.placements(ref),
                     shape=ref.shape,
                     stride=ref.sharded.stride(),

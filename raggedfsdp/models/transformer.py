@@ -134,13 +134,14 @@ class Attention(nn.Module):
 
     def forward(self, x: Tensor, rope: Tensor) -> Tensor:
         B, S, _ = x.shape  # x: (B, S, D)
-        q = self.wq(x).view(B, S, self.n_heads, self.head_dim)
-        k = self.wk(x).view(B, S, self.n_kv_heads, self.head_dim)
-        v = self.wv(x).view(B, S, self.n_kv_heads, self.head_dim)
+        # -1 heads: under tensor parallelism (wq/wk/wv column-wise) a rank holds its heads
+        q = self.wq(x).view(B, S, -1, self.head_dim)
+        k = self.wk(x).view(B, S, -1, self.head_dim)
+        v = self.wv(x).view(B, S, -1, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, rope), apply_rotary(k, rope)
-        rep = self.n_heads // self.n_kv_heads
+        rep = q.shape[2] // k.shape[2]
         if rep > 1:  # GQA: each kv head serves `rep` consecutive query heads
             k = k.repeat_interleave(rep, dim=2)
             v = v.repeat_interleave(rep, dim=2)
