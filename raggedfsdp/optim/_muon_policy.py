@@ -141,7 +141,9 @@ def muon_block_policy(
 
     Args:
         model: the model, before ``fully_shard`` (it may be on ``meta``).
-        world_size: ranks of the mesh ``fully_shard`` will use.
+        world_size: ranks the buffers will be sharded over: the size of the 1-D mesh
+            ``fully_shard`` will use, or under HSDP its shard dim's (``mesh.size(-1)``),
+            the size the planner plans for.
         modules: the modules ``fully_shard`` will be applied to, bottom-up. Default:
             ``model.transformer_blocks()`` (if it has them), then ``model``.
         rows: the base block for every other parameter. Default 1.

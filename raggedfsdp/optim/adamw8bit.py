@@ -20,10 +20,16 @@ shape ``(1000, 96)`` with B = 256 gets blocks of 8 rows (768 elements, 3 scales)
     scales    s0 s1 s2| s3 s4 s5 | ...          one per 256 elements
     rank      r0      | r0       | r1 ...       cuts only between RaggedShard blocks
 
+Under HSDP (``(Replicate(), RaggedShard)`` on a ``(replicate, shard)`` mesh) only the
+RaggedShard cuts: a rank holds the whole quantization blocks its shard rank is given,
+and the replicas, fed the same all-reduced gradients, hold the same codes and
+scales; no block crosses a rank boundary on either mesh dim.
+
 The state seen by ``state_dict`` and DCP is per parameter: ``exp_avg_codes`` and
 ``exp_avg_sq_codes`` (uint8, placed like the parameter) and ``exp_avg_scales`` /
 ``exp_avg_sq_scales`` (fp32, shape ``[scales]``, a 1-D ``RaggedShard`` whose
-``local_units`` are each rank's scale counts), so a checkpoint reshards codes and
+``local_units`` are each shard rank's scale counts; under HSDP placed
+``(Replicate(), RaggedShard)``), so a checkpoint reshards codes and
 scales together by global position, with no requantization.
 
 For parameters sharded by ``fully_shard`` the codes live in two flat uint8 tensors
@@ -165,10 +171,14 @@ class _ParamQuant:
     scale_hi: int
     scale_units: tuple[int, ...] | None  # scales per rank when RaggedShard, else None
     blocks: Blocks
+    ragged_dim: int | None = None  # the mesh dim the RaggedShard cuts (None: not sharded)
 
-    @property
-    def scale_placement(self) -> RaggedShard:
-        return RaggedShard(dims=(0,), local_units=self.scale_units)
+    def scale_placements(self, placements: tuple) -> list:
+        """The scales' placements: the parameter's, its RaggedShard made one over scales."""
+        out = list(placements)
+        if self.ragged_dim is not None:
+            out[self.ragged_dim] = RaggedShard(dims=(0,), local_units=self.scale_units)
+        return out
 
 
 def _param_quant(name: str, p: torch.Tensor, block: int) -> _ParamQuant:
@@ -181,18 +191,28 @@ def _param_quant(name: str, p: torch.Tensor, block: int) -> _ParamQuant:
     def scale_index(elem: int) -> int:  # first scale at or after an aligned element
         return (elem // member) * per_member + -(-(elem % member) // block)
 
-    cuts, rank, ragged = [0, numel], 0, False
+    # Only a RaggedShard cuts: on every other mesh dim (Replicate, HSDP's replicate dim)
+    # each rank holds the whole of what the RaggedShard gave its shard rank.
+    cuts, rank, dim, on = [0, numel], 0, None, ""
     if isinstance(p, DTensor):
-        placements = tuple(p.placements)
-        if p.device_mesh.ndim == 1 and isinstance(placements[0], RaggedShard):
-            placement, world = placements[0], p.device_mesh.size(0)
-            rank, ragged = p.device_mesh.get_local_rank(0), True
+        placements, mesh = tuple(p.placements), p.device_mesh
+        ragged = [d for d, pl in enumerate(placements) if isinstance(pl, RaggedShard)]
+        replicated = all(
+            isinstance(pl, Replicate) for d, pl in enumerate(placements) if d not in ragged
+        )
+        if len(ragged) == 1 and replicated:  # FSDP (RaggedShard,), HSDP (Replicate(), RaggedShard)
+            dim = ragged[0]
+            placement, world = placements[dim], mesh.size(dim)
+            rank = mesh.get_local_rank(dim)
             row = placement.row_numel(shape)
             cuts = [placement.local_row_range(shape, r)[0] * row for r in range(world)] + [numel]
-        elif not all(isinstance(pl, Replicate) for pl in placements):
+            if mesh.ndim > 1:
+                on = f" on mesh dim {(mesh.mesh_dim_names or range(mesh.ndim))[dim]!r}"
+        elif ragged or not replicated:
             raise NotImplementedError(
                 f"AdamW8bit: parameter {name!r} is a DTensor with placements {placements}; "
-                f"8-bit states need whole quantization blocks on every rank: shard it with "
+                f"8-bit states need whole quantization blocks on every rank, which "
+                f"RaggedShard on one mesh dim and Replicate on the others give: shard it with "
                 f"raggedfsdp.fully_shard(..., block_policy=adamw8bit_block_policy({block})), "
                 f"or pass plain or replicated tensors"
             )
@@ -201,14 +221,14 @@ def _param_quant(name: str, p: torch.Tensor, block: int) -> _ParamQuant:
             where = "its member's start" if member != numel else "its start"
             raise ValueError(
                 f"AdamW8bit: parameter {name!r} of shape {shape} is cut at element {cut} "
-                f"(rank {r}'s first), {(cut % member) % block} elements past a quantization "
+                f"(rank {r}'s first{on}), {(cut % member) % block} elements past a quantization "
                 f"block of {block} counted from {where}: the quantization block does not divide "
                 f"its RaggedShard block; shard it with fully_shard(..., "
                 f"block_policy=adamw8bit_block_policy({block}))"
             )
     lo, hi = cuts[rank], cuts[rank + 1]
     units = None
-    if ragged:
+    if dim is not None:
         units = tuple(scale_index(cuts[r + 1]) - scale_index(cuts[r]) for r in range(len(cuts) - 1))
     lengths = param_block_lengths(numel, member, lo, hi, block)
     return _ParamQuant(
@@ -221,6 +241,7 @@ def _param_quant(name: str, p: torch.Tensor, block: int) -> _ParamQuant:
         scale_hi=scale_index(hi),
         scale_units=units,
         blocks=Blocks.from_lengths(lengths, device=local(p).device),
+        ragged_dim=dim,
     )
 
 
@@ -228,7 +249,7 @@ def _scales_like(scales: torch.Tensor, p: torch.Tensor, pq: _ParamQuant) -> torc
     """This rank's ``scales`` of ``p`` as a 1-D DTensor of all its scales (itself if plain)."""
     if not isinstance(p, DTensor):
         return scales
-    placements = [pq.scale_placement] if pq.scale_units is not None else list(p.placements)
+    placements = pq.scale_placements(tuple(p.placements))
     return DTensor.from_local(scales, p.device_mesh, placements, shape=(pq.n_scales,), stride=(1,))
 
 
@@ -250,7 +271,8 @@ class AdamW8bit(FlatOptimizer):
 
     See [Note: 8-bit states under RaggedShard]. Parameters may be plain tensors,
     replicated DTensors, or RaggedShard DTensors whose ranks hold whole quantization
-    blocks (``fully_shard`` with ``adamw8bit_block_policy``). The update: dequantize,
+    blocks (``fully_shard`` with ``adamw8bit_block_policy``, on a 1-D mesh or HSDP's
+    ``(replicate, shard)`` mesh). The update: dequantize,
     the AdamW step in fp32 (the new moments, not their codes, make the update),
     requantize.
 
@@ -265,7 +287,7 @@ class AdamW8bit(FlatOptimizer):
         ValueError: a hyperparameter out of range, naming it; at the first step, a
             parameter whose shards split a quantization block.
         NotImplementedError: at the first step, a DTensor parameter placed other than
-            RaggedShard or Replicate on a 1-D mesh.
+            RaggedShard on one mesh dim and Replicate on the others.
     """
 
     def __init__(

@@ -35,6 +35,21 @@ buffer itself; here the NS input is always a copy.
 ``distributed="replicated"`` is the baseline the paper improves on: every rank
 gathers every matrix (an all-gather, as the same all-to-all rounds) and runs
 every NS; no results travel back.
+
+[Note: Muon under HSDP]
+On a 2-D ``(replicate, shard)`` mesh a parameter is placed ``(Replicate(),
+RaggedShard)``, and after a backward every replica holds the same shard gradients
+(the FSDP runtime all-reduces them over the replicate dim; see [Note: HSDP] in
+``fsdp/_param_group.py``). Each replica is then a copy of the 1-D case: the plan is
+made over the shard dim (its size, this rank's index on it), the all-to-alls run
+over the shard dim's process group, and every replica picks the same roots and
+runs the same NS on the same values, so the replicas' parameters stay identical
+and no byte crosses the replicate dim. (Spreading the NS over all ``R x S`` ranks
+would divide each rank's NS work by up to ``R``, at the price of sending pieces
+and results across the replicate dim: between nodes, in the usual HSDP layout.)
+``BufferView.process_group`` is the same shard-dim group. One Muon optimizer
+handles the sharded matrices of one mesh (make one per mesh); meshes of more than
+2 dims are refused.
 """
 
 from __future__ import annotations
@@ -191,7 +206,8 @@ class Muon(FlatAdamW):
     (the fqn is known for parameters sharded by ``fully_shard``, and relative to
     the module passed to it; pass ``muon_param_groups(model)`` to split by full
     names). Parameters sharded by ``fully_shard`` (``RaggedShard`` DTensors) get
-    distributed Newton-Schulz, see [Note: distributed Muon]; plain tensors and
+    distributed Newton-Schulz, see [Note: distributed Muon] (under HSDP, within each
+    replica's shard group: [Note: Muon under HSDP]); plain tensors and
     ``Replicate`` DTensors are whole on every rank and computed there. The AdamW
     groups step as ``FlatAdamW`` does: a buffer whose trainable parameters are all
     in AdamW groups steps whole (see [Note: whole-buffer steps] in ``_flat.py``).
@@ -221,7 +237,9 @@ class Muon(FlatAdamW):
         ValueError: a hyperparameter out of range, or a Muon parameter that is not a
             matrix or a stack of matrices (naming it).
         NotImplementedError: a Muon parameter sharded in a way other than
-            ``RaggedShard`` on a 1-D mesh, or sharded parameters on different meshes.
+            ``RaggedShard`` on a 1-D mesh or ``(Replicate(), RaggedShard)`` on a 2-D
+            (replicate, shard) mesh (HSDP, see [Note: Muon under HSDP]), or sharded
+            Muon parameters on different meshes.
     """
 
     def __init__(
@@ -298,8 +316,15 @@ class Muon(FlatAdamW):
             group.setdefault(k, v)
         _check_hyper(group, muon)
         if muon:
+            named = [
+                (_name_of(p, f"#{i} of group {gi}"), p)
+                for gi, g in enumerate([*self.param_groups, group])
+                if g["use_muon"]
+                for i, p in enumerate(g["params"])
+            ]
             for i, p in enumerate(params):
                 _check_muon_param(p, f"#{i} of group {len(self.param_groups)}")
+            _one_mesh(named)
         super().add_param_group(group)
         if not muon:  # drop the Muon-only defaults torch filled in
             for k in _MUON_KEYS:
@@ -337,7 +362,7 @@ class Muon(FlatAdamW):
         # 2. whole matrices on every rank (plain tensors, Replicate): no communication
         sharded = []
         for (p, h), x in zip(items, inputs):
-            if isinstance(p, DTensor) and isinstance(p.placements[0], RaggedShard):
+            if _shard_dim(p) is not None:
                 sharded.append((p, h, x))
                 continue
             whole = local(p)  # the whole parameter, any strides
@@ -357,14 +382,9 @@ class Muon(FlatAdamW):
         return zeropower_via_newtonschulz(x, h["ns_coefficients"], h["ns_steps"], h["eps"])
 
     def _step_plan(self, sharded) -> StepPlan:
-        mesh = sharded[0][0].device_mesh
-        for p, _, _ in sharded:
-            if p.device_mesh != mesh:
-                raise NotImplementedError(
-                    f"Muon: parameter {_name_of(p, '?')!r} lives on mesh {p.device_mesh}, "
-                    f"another on {mesh}; one Muon optimizer handles one mesh: make one per mesh"
-                )
-        world, me = mesh.size(0), mesh.get_local_rank(0)
+        mesh = _one_mesh([(_name_of(p, "?"), p) for p, _, _ in sharded])
+        dim = _shard_dim(sharded[0][0])  # the shard dim: see [Note: Muon under HSDP]
+        world, me = mesh.size(dim), mesh.get_local_rank(dim)
         key = (
             tuple((id(p), p.placements, tuple(p.shape), h["ns_steps"]) for p, h, _ in sharded),
             self.distributed,
@@ -372,7 +392,7 @@ class Muon(FlatAdamW):
         )
         if key != self._plan_key:
             matrices, flops = plan_matrices(
-                [(tuple(p.shape), p.placements[0], h["ns_steps"]) for p, h, _ in sharded], world
+                [(tuple(p.shape), p.placements[dim], h["ns_steps"]) for p, h, _ in sharded], world
             )
             self._plan = build_plan(
                 matrices, flops, world, me, self.distributed, self.matrices_per_round
@@ -384,8 +404,8 @@ class Muon(FlatAdamW):
         """Steps 2-3 of [Note: distributed Muon] for RaggedShard parameters."""
         stats = self.last_step
         plan = self._step_plan(sharded)
-        mesh = sharded[0][0].device_mesh
-        pg, me = mesh.get_group(0), mesh.get_local_rank(0)
+        mesh, dim = sharded[0][0].device_mesh, _shard_dim(sharded[0][0])
+        pg, me = mesh.get_group(dim), mesh.get_local_rank(dim)  # the shard dim's
         local_start = [_local_range_start(p, me) for p, _, _ in sharded]
         matrices = plan.matrices
         device = sharded[0][2].device  # of the NS inputs: the parameters'
@@ -501,7 +521,7 @@ def _apply(param: Tensor, offset: int, update: Tensor, h: dict, shape: tuple[int
 
 
 def _local_range_start(p: DTensor, rank: int) -> int:
-    rs = p.placements[0]
+    rs = p.placements[_shard_dim(p)]
     return rs.local_row_range(p.shape, rank)[0] * rs.row_numel(p.shape)
 
 
@@ -531,6 +551,34 @@ def _check_hyper(group: dict, muon: bool) -> None:
         raise ValueError(f"Muon: ns_steps must be an int in [0, 100), got {steps!r}")
 
 
+def _shard_dim(p: Tensor) -> int | None:
+    """The mesh dim a Muon parameter's ``RaggedShard`` cuts (None: whole on every rank)."""
+    if not isinstance(p, DTensor):
+        return None
+    for dim, placement in enumerate(p.placements):
+        if isinstance(placement, RaggedShard):
+            return dim
+    return None
+
+
+def _one_mesh(named: Sequence[tuple[str, Tensor]]):
+    """The one mesh of the sharded Muon parameters ``(name, param)`` (None without any);
+    raises on two."""
+    mesh, first = None, ""
+    for name, p in named:
+        if _shard_dim(p) is None:
+            continue
+        if mesh is None:
+            mesh, first = p.device_mesh, name
+        elif p.device_mesh != mesh:
+            raise NotImplementedError(
+                f"Muon: parameter {name!r} is sharded on mesh {p.device_mesh}, but "
+                f"{first!r} on mesh {mesh}; one Muon optimizer plans the Newton-Schulz roots "
+                "over one mesh: make one Muon per mesh (each with the parameters sharded on it)"
+            )
+    return mesh
+
+
 def _check_muon_param(p: Tensor, fallback: str) -> None:
     name = _name_of(p, fallback)
     if p.dim() not in (2, 3):
@@ -539,17 +587,29 @@ def _check_muon_param(p: Tensor, fallback: str) -> None:
             "matrix (out, in) or a stack of matrices (E, out, in); put it in a group with "
             "use_muon=False (AdamW), e.g. with muon_param_groups(model)"
         )
-    if isinstance(p, DTensor):
-        if p.device_mesh.ndim != 1:
-            raise NotImplementedError(
-                f"Muon: parameter {name!r} is a DTensor on a {p.device_mesh.ndim}-D mesh; "
-                "distributed Muon supports 1-D meshes (fully_shard's)"
-            )
-        placement = p.placements[0]
+    if not isinstance(p, DTensor):
+        return
+    mesh, placements = p.device_mesh, tuple(p.placements)
+    if mesh.ndim > 2:
+        raise NotImplementedError(
+            f"Muon: parameter {name!r} is a DTensor on a {mesh.ndim}-D mesh of shape "
+            f"{tuple(mesh.shape)}; distributed Muon supports 1-D meshes (FSDP) and 2-D "
+            "(replicate, shard) meshes (HSDP, placements (Replicate(), RaggedShard)): "
+            "fully_shard the model on one of those"
+        )
+    for placement in placements:
         if not isinstance(placement, (RaggedShard, Replicate)):
             raise NotImplementedError(
                 f"Muon: parameter {name!r} is sharded as {placement!r}; Muon needs RaggedShard "
                 "(raggedfsdp.fully_shard) or Replicate: shard the model with raggedfsdp"
             )
-        if isinstance(placement, RaggedShard):
-            placement.validate_for(tuple(p.shape), p.device_mesh.size(0))
+    dim = _shard_dim(p)
+    if dim is None:
+        return
+    if dim != mesh.ndim - 1:
+        raise NotImplementedError(
+            f"Muon: parameter {name!r} is placed {placements} on a {mesh.ndim}-D mesh; "
+            "under HSDP Muon needs (Replicate(), RaggedShard): the RaggedShard on the "
+            "mesh's last (shard) dim, as fully_shard places it"
+        )
+    placements[dim].validate_for(tuple(p.shape), mesh.size(dim))
