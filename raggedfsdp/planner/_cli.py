@@ -6,6 +6,28 @@ Examples::
     python -m raggedfsdp plan --model deepseek-v3 --world 1024 --block-rows 128
     python -m raggedfsdp plan --model my_model.json --world 64 --json
     python -m raggedfsdp plan --model gpt-oss-120b --world 256 --png layout.png
+    python -m raggedfsdp plan --model deepseek-v3 --mesh replicate=8,shard=128 --block-rows 16
+
+[Note: HSDP in the plan]
+``--mesh replicate=R,shard=S`` plans as ``fully_shard`` does on a 2-D ``(replicate,
+shard)`` mesh (see [Note: HSDP] in ``raggedfsdp/fsdp/_param_group.py``): every buffer
+is laid out over the ``S`` ranks of one shard group, so the padding and the peers'
+padding are those of ``S`` ranks, and each of the ``R`` replicas holds the same
+layout. Bytes are counted per rank per step, as ``raggedfsdp.profiling.CommCounter``
+counts them (an all-gather's output, any other collective's input):
+
+    shard_bytes           sum over groups of E_g x the buffer dtype: what a rank holds
+                          of the parameters
+    all_gather_bytes      sum of S x E_g x the buffer dtype: one all-gather of every
+                          group (a forward; a resharded group gathers again in backward)
+    reduce_scatter_bytes  sum of S x E_g x the reduce dtype: the gradients reduce-scattered
+    hsdp_all_reduce_bytes sum of E_g x the reduce dtype: the reduced shard gradients each
+                          rank all-reduces over its R replicas (one all-reduce per group);
+                          0 when R = 1. A ring all-reduce sends 2 (R - 1) / R times this
+                          from each rank.
+
+``S`` is ranks per shard group; ``E_g`` is group g's planned shard size in elements per
+rank (the ``S (elems/rank)`` column; ``kinds.<kind>.shard_sizes`` in ``--json``).
 """
 
 from __future__ import annotations
@@ -20,7 +42,65 @@ from typing import Any
 
 from raggedfsdp.planner._peers import PeerPadding, fsdp1_padding, fsdp2_padding, zero3_padding
 from raggedfsdp.planner._plan import DEFAULT_ALIGNMENT_BYTES, clear_plan_cache, plan_buffer
-from raggedfsdp.planner._spec import WHOLE, TensorSpec, with_block_rows
+from raggedfsdp.planner._spec import WHOLE, TensorSpec, dtype_name_and_itemsize, with_block_rows
+
+MESH_DIMS = ("replicate", "shard")
+_FUTURE_DIMS = {
+    "tp": "tensor parallel",
+    "ep": "expert parallel",
+    "cp": "context parallel",
+    "pp": "pipeline parallel",
+}
+_MESH_EXAMPLE = "e.g. --mesh replicate=2,shard=4"
+# Bytes per rank per step, per kind and in total; see [Note: HSDP in the plan].
+BYTES = ("shard_bytes", "all_gather_bytes", "reduce_scatter_bytes", "hsdp_all_reduce_bytes")
+
+
+def parse_mesh(text: str) -> tuple[int, int]:
+    """``--mesh replicate=R,shard=S`` as ``(R, S)``: the HSDP mesh of ``plan`` and ``train``.
+
+    Args:
+        text: comma-separated ``name=size`` pairs, ``replicate`` and ``shard`` each once,
+            in any order.
+
+    Raises:
+        ValueError: a malformed pair, a size that is not an int >= 1, an unknown or
+            repeated name, or a missing one.
+        NotImplementedError: a dim of a parallelism that is not supported yet (``tp``,
+            ``ep``, ``cp``, ``pp``).
+    """
+    sizes: dict[str, int] = {}
+    for pair in text.split(","):
+        name, eq, size = (part.strip() for part in pair.partition("="))
+        if not eq or not name:
+            raise ValueError(
+                f"--mesh {text!r}: expected name=size pairs separated by commas, got "
+                f"{pair!r}; {_MESH_EXAMPLE}"
+            )
+        if name in _FUTURE_DIMS:
+            raise NotImplementedError(
+                f"--mesh {text!r}: the {name!r} dim ({_FUTURE_DIMS[name]}) is not supported "
+                "yet; only HSDP meshes are: pass replicate=R,shard=S"
+            )
+        if name not in MESH_DIMS:
+            raise ValueError(
+                f"--mesh {text!r}: unknown dim {name!r}; expected replicate and shard, "
+                f"{_MESH_EXAMPLE}"
+            )
+        if name in sizes:
+            raise ValueError(f"--mesh {text!r}: {name!r} is given twice; give it once")
+        if not size.isdigit() or int(size) < 1:
+            raise ValueError(
+                f"--mesh {text!r}: the size of {name!r} must be an int >= 1, got {size!r}"
+            )
+        sizes[name] = int(size)
+    missing = [name for name in MESH_DIMS if name not in sizes]
+    if missing:
+        raise ValueError(
+            f"--mesh {text!r}: the {missing[0]!r} dim is missing; give both, "
+            f"{_MESH_EXAMPLE} (replicate=1 is plain FSDP)"
+        )
+    return sizes["replicate"], sizes["shard"]
 
 
 def _block_rows(text: str) -> int | str:
@@ -45,7 +125,20 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--list", action="store_true", help="list catalogued models and exit")
     p.add_argument("--model", help="a catalogued model name or a JSON file of shapes")
-    p.add_argument("--world", type=int, default=8, help="ranks per buffer (default 8)")
+    p.add_argument(
+        "--world",
+        type=int,
+        default=None,
+        help="ranks (default 8; with --mesh, R x S, which --world may repeat)",
+    )
+    p.add_argument(
+        "--mesh",
+        help="HSDP: replicate=R,shard=S plans every buffer over the S ranks of a shard "
+        "group and reports the padding and bytes at S, plus the bytes each rank "
+        "all-reduces over its R replicas per step (the shard gradients of every group; "
+        "0 when R = 1). Bytes are per rank per step: an all-gather's output, any other "
+        "collective's input, as raggedfsdp.profiling.CommCounter counts them",
+    )
     p.add_argument(
         "--block-rows",
         type=_block_rows,
@@ -54,6 +147,12 @@ def _parser() -> argparse.ArgumentParser:
         "a JSON file's per-param block_rows wins",
     )
     p.add_argument("--dtype", default="bfloat16", help="buffer dtype (default bfloat16)")
+    p.add_argument(
+        "--reduce-dtype",
+        default=None,
+        help="gradient dtype of the reduce-scatter and the HSDP all-reduce (default: --dtype; "
+        "float32 for MixedPrecisionPolicy(reduce_dtype=torch.float32))",
+    )
     p.add_argument(
         "--alignment-bytes",
         type=int,
@@ -106,10 +205,34 @@ def _list() -> int:
     return 0
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
-    """Plan the model described by ``args``; return the report (the ``--json`` object)."""
-    if args.world < 1:
+def _mesh_of(args: argparse.Namespace) -> tuple[int, int]:
+    """``(R, S)``: replicas and ranks per shard group (``(1, --world)`` without ``--mesh``)."""
+    if args.world is not None and args.world < 1:
         raise ValueError(f"--world must be >= 1, got {args.world}")
+    if args.mesh is None:
+        return 1, 8 if args.world is None else args.world
+    replicate, shard = parse_mesh(args.mesh)
+    if args.world is not None and args.world != replicate * shard:
+        raise ValueError(
+            f"--world {args.world} and --mesh {args.mesh} ({replicate} x {shard} = "
+            f"{replicate * shard} ranks) disagree; drop --world (the mesh gives it) or make it "
+            f"{replicate * shard}"
+        )
+    return replicate, shard
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Plan the model described by ``args``; return the report (the ``--json`` object).
+
+    See [Note: HSDP in the plan] for ``--mesh`` and the byte counts.
+    """
+    replicate, world = _mesh_of(args)  # buffers are planned over one shard group
+    _, itemsize = dtype_name_and_itemsize(args.dtype)
+    reduce_dtype = args.dtype if args.reduce_dtype is None else args.reduce_dtype
+    try:
+        reduce_dtype, reduce_itemsize = dtype_name_and_itemsize(reduce_dtype)
+    except ValueError as e:
+        raise ValueError(f"--reduce-dtype: {e}") from None
     name, groups, source = _load(args.model)
     kwargs = dict(
         dtype=args.dtype, alignment_bytes=args.alignment_bytes, member_gaps=args.member_gaps
@@ -117,7 +240,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     specs = {g.name: _specs(g, args.block_rows) for g in groups}
     clear_plan_cache()  # time a cold plan
     t0 = time.perf_counter()
-    layouts = {g.name: plan_buffer(specs[g.name], args.world, **kwargs) for g in groups}
+    layouts = {g.name: plan_buffer(specs[g.name], world, **kwargs) for g in groups}
     plan_seconds = time.perf_counter() - t0
     exact: dict[str, Any] = {}
     if args.exact:
@@ -129,7 +252,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             if key not in seen:
                 layout, proven = plan_exact(
                     specs[g.name],
-                    args.world,
+                    world,
                     dtype=args.dtype,
                     alignment_bytes=args.alignment_bytes,
                     time_limit=args.time_limit,
@@ -141,8 +264,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 new_names = [s.name for s in specs[g.name]]
                 layouts[g.name] = layout.renamed(dict(zip(names, new_names, strict=True)))
 
-    kinds: dict[str, dict[str, Any]] = defaultdict(
-        lambda: {
+    def zero() -> dict[str, Any]:
+        return {
             "groups": 0,
             "params": 0,
             "padding": 0,
@@ -151,8 +274,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "fsdp2": PeerPadding(0, 0, 0),
             "fsdp1": PeerPadding(0, 0, 0),
             "zero3": PeerPadding(0, 0, 0),
+            **dict.fromkeys(BYTES, 0),
         }
-    )
+
+    kinds: dict[str, dict[str, Any]] = defaultdict(zero)
     for g in groups:
         lay, k = layouts[g.name], kinds[g.kind]
         k["groups"] += 1
@@ -160,9 +285,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         k["padding"] += lay.padding
         k["lower_bound_padding"] += lay.lower_bound_padding
         k["shard_sizes"].add(lay.shard_size)
-        k["fsdp2"] += fsdp2_padding(specs[g.name], args.world)
-        k["fsdp1"] += fsdp1_padding(specs[g.name], args.world, args.dtype)
-        k["zero3"] += zero3_padding(specs[g.name], args.world)
+        k["fsdp2"] += fsdp2_padding(specs[g.name], world)
+        k["fsdp1"] += fsdp1_padding(specs[g.name], world, args.dtype)
+        k["zero3"] += zero3_padding(specs[g.name], world)
+        # See [Note: HSDP in the plan]: per rank, per step.
+        k["shard_bytes"] += lay.shard_size * itemsize
+        k["all_gather_bytes"] += lay.global_size * itemsize
+        k["reduce_scatter_bytes"] += lay.global_size * reduce_itemsize
+        k["hsdp_all_reduce_bytes"] += lay.shard_size * reduce_itemsize if replicate > 1 else 0
 
     def summary(k: dict[str, Any]) -> dict[str, Any]:
         n = k["params"]
@@ -182,36 +312,26 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             **{
                 f"{peer}_split_blocks": k[peer].split_blocks for peer in ("fsdp2", "fsdp1", "zero3")
             },
+            **{key: k[key] for key in BYTES},
         }
 
-    total: dict[str, Any] = {
-        "groups": 0,
-        "params": 0,
-        "padding": 0,
-        "lower_bound_padding": 0,
-        "shard_sizes": set(),
-        "fsdp2": PeerPadding(0, 0, 0),
-        "fsdp1": PeerPadding(0, 0, 0),
-        "zero3": PeerPadding(0, 0, 0),
-    }
+    total = zero()
     for k in kinds.values():
-        for key in (
-            "groups",
-            "params",
-            "padding",
-            "lower_bound_padding",
-            "fsdp2",
-            "fsdp1",
-            "zero3",
-        ):
-            total[key] += k[key]
-        total["shard_sizes"] |= k["shard_sizes"]
+        for key, value in k.items():
+            if key == "shard_sizes":
+                total[key] |= value
+            else:
+                total[key] += value
     report = {
         "model": name,
         "source": source,
-        "world_size": args.world,
+        "world_size": replicate * world,
+        "mesh": None if args.mesh is None else {"replicate": replicate, "shard": world},
+        "shard_group_size": world,
+        "replicate_size": replicate,
         "block_rows": args.block_rows,
         "dtype": args.dtype,
+        "reduce_dtype": reduce_dtype,
         "alignment_bytes": args.alignment_bytes,
         "member_gaps": bool(args.member_gaps),
         **{k: v for k, v in summary(total).items() if k != "shard_sizes"},
@@ -236,7 +356,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         draw_layout(
             layouts[gname],
             args.png,
-            title=f"{name} {gname}: {layouts[gname].describe()}",
+            title=f"{name} {gname}: {layouts[gname].describe()}"
+            + (f", each of {replicate} replicas" if args.mesh is not None else ""),
             max_ranks=args.png_ranks,
         )
         report["png"] = {"file": args.png, "group": gname}
@@ -250,11 +371,24 @@ def _fmt_elems(n: int) -> str:
     return str(n)
 
 
+def _fmt_bytes(n: int) -> str:
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n} B"
+
+
 def _print(report: dict[str, Any]) -> None:
     r = report
+    where = f"world {r['world_size']}"
+    if r["mesh"] is not None:
+        where = (
+            f"mesh replicate={r['replicate_size']} x shard={r['shard_group_size']} "
+            f"({r['world_size']} ranks; buffers planned over the {r['shard_group_size']} "
+            "ranks of a shard group)"
+        )
     print(
-        f"raggedfsdp plan: {r['model']} ({_fmt_elems(r['params'])} params), "
-        f"world {r['world_size']}, "
+        f"raggedfsdp plan: {r['model']} ({_fmt_elems(r['params'])} params), {where}, "
         f"blocks of {r['block_rows']} rows, {r['dtype']}, alignment {r['alignment_bytes']} B"
         + (", member gaps" if r["member_gaps"] else "")
     )
@@ -281,6 +415,17 @@ def _print(report: dict[str, Any]) -> None:
         f"blocks split by a shard boundary: raggedfsdp 0, FSDP2 {r['fsdp2_split_blocks']:,}, "
         f"FSDP1 {r['fsdp1_split_blocks']:,}, ZeRO-3 {r['zero3_split_blocks']:,}"
     )
+    print(
+        f"bytes per rank per step: shard {_fmt_bytes(r['shard_bytes'])} ({r['dtype']}), "
+        f"all-gather {_fmt_bytes(r['all_gather_bytes'])} (output, one pass), reduce-scatter "
+        f"{_fmt_bytes(r['reduce_scatter_bytes'])} (input, {r['reduce_dtype']})"
+    )
+    if r["mesh"] is not None:
+        print(
+            f"HSDP all-reduce over {r['replicate_size']} replicas: "
+            f"{_fmt_bytes(r['hsdp_all_reduce_bytes'])} per rank per step (the input: every "
+            f"group's reduced shard gradients, {r['reduce_dtype']}; a ring sends 2(R-1)/R of it)"
+        )
     print(f"plan time: {r['plan_seconds']:.3f} s ({r['distinct_groups']} distinct groups planned)")
     if "exact" in r:
         proven = sum(v["proven_optimal"] for v in r["exact"].values())
@@ -304,7 +449,7 @@ def main(argv: list[str]) -> int:
         return 2
     try:
         report = run(args)
-    except ValueError as e:
+    except (ValueError, NotImplementedError) as e:
         print(f"raggedfsdp plan: error: {e}", file=sys.stderr)
         return 2
     if args.json:

@@ -18,6 +18,7 @@ import os
 import sys
 from pathlib import Path
 
+from raggedfsdp.planner._cli import parse_mesh
 from raggedfsdp.train._checks import TRAIN_MODELS, check_args
 
 BACKENDS = ("raggedfsdp", "fsdp2")
@@ -40,9 +41,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--reshard-after-forward",
         default="auto",
         help="auto (all but the root, FSDP2's default), true, false, or an int that "
-        "divides the world size",
+        "divides the world size (1-D mesh only)",
     )
     g.add_argument("--bf16", action="store_true", help="bf16 parameters, fp32 gradient reduction")
+    g.add_argument(
+        "--mesh",
+        default=None,
+        help="HSDP: replicate=R,shard=S (R x S = the ranks) shards every group over the S "
+        "ranks of a shard group and all-reduces the shard gradients over the R replicas; "
+        "default: a 1-D mesh of all ranks (plain FSDP). tp=, ep= are not supported yet",
+    )
     g = p.add_argument_group("launch")
     g.add_argument("--nproc", type=int, default=4, help="ranks on this machine")
     g.add_argument("--nnodes", default="1", help="machines (torchrun --nnodes)")
@@ -101,12 +109,45 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def check_mesh(args) -> tuple[int, int] | None:
+    """``--mesh`` as ``(R, S)`` (None: a 1-D mesh); raise on one the ranks cannot build.
+
+    Raises:
+        ValueError: a malformed ``--mesh``, ``R x S`` other than the number of ranks.
+        NotImplementedError: a ``tp=`` / ``ep=`` dim, or an int ``--reshard-after-forward``
+            (``fully_shard`` reshards to a smaller group on a 1-D mesh only).
+    """
+    if args.mesh is None:
+        return None
+    try:
+        replicate, shard = parse_mesh(args.mesh)
+    except ValueError as e:
+        raise ValueError(f"train: {e}") from None
+    except NotImplementedError as e:
+        raise NotImplementedError(f"train: {e}") from None
+    world = args.nproc * int(args.nnodes)
+    if replicate * shard != world:
+        raise ValueError(
+            f"train: --mesh {args.mesh} has {replicate} x {shard} = {replicate * shard} ranks, "
+            f"but the job has {world} (--nproc {args.nproc} x --nnodes {args.nnodes}); make "
+            "R x S equal the number of ranks"
+        )
+    if args.reshard_after_forward.isdigit():
+        raise NotImplementedError(
+            f"train: --reshard-after-forward {args.reshard_after_forward} with --mesh (HSDP) is "
+            "not supported yet (an int reshards to a smaller group on a 1-D mesh only); pass "
+            "auto, true or false"
+        )
+    return replicate, shard
+
+
 def main(argv: list[str]) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
         _, digest = check_args(args)
-    except ValueError as e:
+        check_mesh(args)
+    except (ValueError, NotImplementedError) as e:
         parser.error(str(e))
     from raggedfsdp.train._rundir import OutLock, check_out, prepare
 

@@ -25,6 +25,7 @@ import os
 import statistics
 import sys
 import time
+import warnings
 from datetime import timedelta
 from pathlib import Path
 
@@ -51,6 +52,16 @@ from raggedfsdp.train.data import DataConfig, get_batch, load_corpus
 from raggedfsdp.train.report import plot_losses
 
 
+def _mesh(args, world: int):
+    """A 1-D mesh of every rank, or the ``(replicate, shard)`` HSDP mesh of ``--mesh``."""
+    if args.mesh is None:
+        return init_device_mesh("cpu", (world,))
+    from raggedfsdp.planner._cli import parse_mesh
+
+    replicate, shard = parse_mesh(args.mesh)  # checked by the launcher: R x S = world
+    return init_device_mesh("cpu", (replicate, shard), mesh_dim_names=("replicate", "shard"))
+
+
 def _shard(model: Transformer, args, mesh) -> None:
     raf = args.reshard_after_forward.lower()
     raf = {"auto": None, "true": True, "false": False}[raf] if not raf.isdigit() else int(raf)
@@ -61,7 +72,7 @@ def _shard(model: Transformer, args, mesh) -> None:
     else:
         from raggedfsdp import MixedPrecisionPolicy, fully_shard
 
-        policy = block_policy(args, model, mesh.size(0))
+        policy = block_policy(args, model, mesh.size(-1))  # the shard group's ranks
         kw = dict(mesh=mesh, reshard_after_forward=raf, block_policy=policy)
     if args.bf16:
         kw["mp_policy"] = MixedPrecisionPolicy(
@@ -114,7 +125,13 @@ def _lr_lambda(args):
 
 
 def padding_ratio(model: nn.Module, backend: str, world: int) -> float:
-    """Padded elements / parameter elements of the communication buffers."""
+    """Padded elements / parameter elements of the communication buffers.
+
+    Args:
+        model: the sharded model.
+        backend: ``"raggedfsdp"`` or ``"fsdp2"``.
+        world: ranks a buffer is sharded over (the shard dim's size under HSDP).
+    """
     total = sum(p.numel() for p in model.parameters())
     if backend == "fsdp2":  # per-parameter dim-0 chunks, each padded to ceil(rows / m)
         pad = 0
@@ -190,8 +207,9 @@ def _train(args, where: Where) -> int:
     torch.set_num_threads(1)
     out = Path(args.out)
     ckpt_root = out / CKPT
-    mesh = init_device_mesh("cpu", (world,))
-    where.mesh_group = where.group = mesh.get_group(0)
+    mesh = _mesh(args, world)
+    # HSDP's collectives cross both mesh dims: name every rank's group on a timeout
+    where.mesh_group = where.group = mesh.get_group(0) if mesh.ndim == 1 else dist.group.WORLD
     corpus = load_corpus(DataConfig(path=args.data, max_bytes=args.max_bytes))
     model = Transformer(get_config(args.model), max_seq_len=args.seq_len, seed=args.seed)
     _shard(model, args, mesh)
@@ -207,8 +225,10 @@ def _train(args, where: Where) -> int:
             start, _ = ckpt.load(ckpt_root, model, opt)
         except Exception as err:
             raise _checkpoint_error(err, f"--resume: the checkpoint in '{ckpt_root}'") from err
-        for _ in range(start):
-            sched.step()
+        with warnings.catch_warnings():  # the schedule catches up: no optimizer step is due
+            warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step", UserWarning)
+            for _ in range(start):
+                sched.step()
     if rank == 0 and args.resume:
         trim_metrics(out / "metrics.jsonl", start)
 
@@ -307,11 +327,12 @@ def _train(args, where: Where) -> int:
         "backend": args.backend,
         "model": args.model,
         "world": world,
+        "mesh": args.mesh,
         "optim": args.optim,
         "steps": args.steps,
         "median_step_s": statistics.median(steady),
         "tokens_per_s": tokens / statistics.median(steady),
-        "padding_ratio": padding_ratio(model, args.backend, world),
+        "padding_ratio": padding_ratio(model, args.backend, mesh.size(-1)),
         "final_loss": loss,
         **measured,
     }

@@ -168,3 +168,113 @@ def test_block_larger_than_a_tensor_in_a_model_file(capsys, tmp_path):
     rc, _, err = run(capsys, "--model", str(model))
     assert rc == 2
     assert "'w' of shape (10, 4) has 10 rows, fewer than its block of 16 rows" in err
+
+
+# ---- HSDP: --mesh replicate=R,shard=S (see [Note: HSDP in the plan]) -------------------------
+def _plan_at(model: str, ranks: int, block_rows: int) -> list:
+    """The layouts of ``model``'s groups planned at ``ranks`` directly, with the planner."""
+    from raggedfsdp.models import CATALOGUE, param_groups
+    from raggedfsdp.planner import TensorSpec, plan_buffer, with_block_rows
+
+    return [
+        plan_buffer(
+            [
+                with_block_rows(TensorSpec(name=p.fqn, shape=p.shape, stack=p.stack), block_rows)
+                for p in g.params
+            ],
+            ranks,
+        )
+        for g in param_groups(CATALOGUE[model])
+    ]
+
+
+def test_mesh_plans_at_the_shard_group_and_counts_the_all_reduce(capsys):
+    rc, out, _ = run(capsys, "--model", "llama3-8b", "--mesh", "replicate=4,shard=16",
+                     "--block-rows", "128", "--reduce-dtype", "float32", "--json")  # fmt: skip
+    assert rc == 0
+    report = json.loads(out)
+    layouts = _plan_at("llama3-8b", 16, 128)  # bfloat16 buffers: 2 bytes; float32 grads: 4
+    assert report["mesh"] == {"replicate": 4, "shard": 16}
+    assert (report["world_size"], report["shard_group_size"], report["replicate_size"]) == (
+        64,
+        16,
+        4,
+    )
+    assert report["padding"] == sum(lay.padding for lay in layouts) > 0
+    assert report["shard_bytes"] == sum(2 * lay.shard_size for lay in layouts)
+    assert report["all_gather_bytes"] == sum(2 * 16 * lay.shard_size for lay in layouts)
+    assert report["reduce_scatter_bytes"] == sum(4 * 16 * lay.shard_size for lay in layouts)
+    assert report["hsdp_all_reduce_bytes"] == sum(4 * lay.shard_size for lay in layouts)
+    assert (
+        sum(k["hsdp_all_reduce_bytes"] for k in report["kinds"].values())
+        == (report["hsdp_all_reduce_bytes"])
+    )
+    # the padding (ours and the peers') is the plain plan's over the 16 ranks of a group
+    rc, out, _ = run(capsys, "--model", "llama3-8b", "--world", "16", "--block-rows", "128",
+                     "--reduce-dtype", "float32", "--json")  # fmt: skip
+    plain = json.loads(out)
+    for key in ("padding", "fsdp2_padding", "fsdp1_padding", "zero3_padding", "all_gather_bytes"):
+        assert report[key] == plain[key], key
+    assert plain["mesh"] is None and plain["hsdp_all_reduce_bytes"] == 0
+
+
+def test_mesh_bytes_of_a_small_model_by_hand(capsys, tmp_path):
+    """One [6, 4] float32 tensor over shard=2: S = 12 elements, no padding; a rank holds
+    48 bytes, gathers 96, reduce-scatters 96, all-reduces 48 over its 3 replicas."""
+    model = tmp_path / "m.json"
+    group = {"name": "g", "params": [{"name": "w", "shape": [6, 4]}]}
+    model.write_text(json.dumps({"groups": [group]}))
+    argv = ["--model", str(model), "--dtype", "float32", "--alignment-bytes", "4", "--json"]
+    rc, out, _ = run(capsys, *argv, "--mesh", "shard=2,replicate=3", "--world", "6")
+    assert rc == 0
+    report = json.loads(out)
+    [kind] = report["kinds"].values()
+    assert kind["shard_sizes"] == [12] and report["padding"] == 0
+    assert [report[k] for k in ("shard_bytes", "all_gather_bytes", "reduce_scatter_bytes",
+                                "hsdp_all_reduce_bytes")] == [48, 96, 96, 48]  # fmt: skip
+    rc, out, _ = run(capsys, *argv, "--mesh", "replicate=1,shard=2")  # no replicas: nothing
+    assert json.loads(out)["hsdp_all_reduce_bytes"] == 0
+
+
+def test_mesh_text_report(capsys):
+    argv = ["--model", "deepseek-v3", "--block-rows", "16"]
+    rc, out, _ = run(capsys, *argv, "--mesh", "replicate=8,shard=128")
+    assert rc == 0
+    lines = out.splitlines()
+    assert lines[0].startswith(
+        "raggedfsdp plan: deepseek-v3 (671.03B params), mesh replicate=8 x shard=128 (1024 "
+        "ranks; buffers planned over the 128 ranks of a shard group)"
+    )
+    total = next(ln for ln in lines if ln.startswith("total"))
+    assert float(total.split()[4]) < 1.0  # the issue's figure: 0.7% over 128 ranks
+    assert "HSDP all-reduce over 8 replicas: " in out and "bytes per rank per step:" in out
+    rc, out, _ = run(capsys, *argv, "--world", "1024")
+    total = next(ln for ln in out.splitlines() if ln.startswith("total"))
+    assert float(total.split()[4]) > 50.0  # and 54% over 1024
+    assert "HSDP" not in out
+
+
+@pytest.mark.parametrize(
+    "mesh, extra, match",
+    [
+        ("replicate=2", [], "--mesh 'replicate=2': the 'shard' dim is missing; give both, e.g. "
+         "--mesh replicate=2,shard=4"),
+        ("replicate=2,shard=0", [], "the size of 'shard' must be an int >= 1, got '0'"),
+        ("replicate=two,shard=2", [], "the size of 'replicate' must be an int >= 1, got 'two'"),
+        ("replicate:2,shard=2", [], "expected name=size pairs separated by commas, got "
+         "'replicate:2'"),
+        ("dp=2,shard=2", [], "unknown dim 'dp'; expected replicate and shard"),
+        ("shard=2,shard=2", [], "'shard' is given twice"),
+        ("tp=2,shard=4", [], "the 'tp' dim (tensor parallel) is not supported yet; only HSDP "
+         "meshes are: pass replicate=R,shard=S"),
+        ("replicate=2,ep=4", [], "the 'ep' dim (expert parallel) is not supported yet"),
+        ("replicate=2,shard=4", ["--world", "4"], "--world 4 and --mesh replicate=2,shard=4 "
+         "(2 x 4 = 8 ranks) disagree; drop --world (the mesh gives it) or make it 8"),
+        ("replicate=2,shard=4", ["--reduce-dtype", "float7"], "--reduce-dtype: planner: dtype "
+         "'float7' is unknown"),
+    ],
+)  # fmt: skip
+def test_mesh_errors_come_before_any_output(capsys, mesh, extra, match):
+    rc, out, err = run(capsys, "--model", "llama3-8b", "--mesh", mesh, *extra)
+    assert rc == 2
+    assert match in err and out == ""

@@ -66,6 +66,25 @@ def test_help_documents_every_option(capsys):
         (["--backend", "fsdp2", "--block-rows", "4"], r"--block-rows applies to the raggedfsdp"),
         (["--resume", "--overwrite"], r"--resume continues the run in --out, --overwrite"),
         (["--resume"], r"--resume: '.*out' holds no run \(run.json is missing\), nothing to"),
+        # issue 13: HSDP meshes only, of exactly the job's ranks
+        (
+            ["--mesh", "replicate=2,shard=3", "--nproc", "4"],
+            r"--mesh replicate=2,shard=3 has 2 x 3 = 6 ranks, but the job has 4 \(--nproc 4 x "
+            r"--nnodes 1\); make R x S equal the number of ranks",
+        ),
+        (
+            ["--mesh", "tp=2,shard=2"],
+            r"train: --mesh 'tp=2,shard=2': the 'tp' dim \(tensor parallel\) is not supported "
+            r"yet; only HSDP meshes are: pass replicate=R,shard=S",
+        ),
+        (["--mesh", "replicate=2,ep=2"], r"the 'ep' dim \(expert parallel\) is not supported"),
+        (["--mesh", "replicate=2,shard=x"], r"the size of 'shard' must be an int >= 1, got 'x'"),
+        (["--mesh", "shard=4"], r"the 'replicate' dim is missing"),
+        (
+            ["--mesh", "replicate=2,shard=2", "--reshard-after-forward", "2"],
+            r"--reshard-after-forward 2 with --mesh \(HSDP\) is not supported yet .*pass "
+            r"auto, true or false",
+        ),
     ],
 )
 def test_bad_arguments_fail_before_any_spawn(argv, match, capsys, tmp_path):
