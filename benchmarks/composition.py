@@ -1,0 +1,447 @@
+"""Composed meshes: raggedfsdp vs torch's FSDP2 on 1-D FSDP, HSDP and FSDP x TP, in one run.
+
+    .venv/bin/python benchmarks/composition.py                          # 4 gloo ranks, both models
+    .venv/bin/python benchmarks/composition.py --steps 2 --warmup 1 --models llama-tiny  # smoke run
+
+Each rank builds every model twice from the same seed, once sharded by
+``raggedfsdp.fully_shard`` and once by ``torch.distributed.fsdp.fully_shard``, on each
+of three meshes of the 4 gloo ranks (the same mesh object for both systems):
+
+- ``fsdp``: 1-D, ``(shard 4)``; each transformer block, then the root.
+- ``hsdp``: 2-D, ``(replicate 2, shard 2)``; each block, then the root, on the 2-D mesh.
+- ``fsdp_tp``: 2-D, ``(dp 2, tp 2)``; each block ``parallelize_module``'d on ``tp``
+  (``ColwiseParallel`` on ``attention.wq/wk/wv`` and, dense model only,
+  ``feed_forward.w1/w3``; ``RowwiseParallel`` on ``attention.wo`` and
+  ``feed_forward.w2``; the MoE model's experts stay data-parallel), then
+  ``fully_shard(block, mesh=mesh["dp"])``, then the root on ``mesh["dp"]``.
+
+Every data-parallel coordinate takes its own rows of the same global batch (the two
+tp ranks of one dp coordinate the same rows). The two systems alternate in blocks of
+``--block`` steps (ABBA order). Measured per system and mesh:
+
+- step time: forward, backward, ``opt.step()``, ``opt.zero_grad()`` between two
+  barriers; the median and the ratio raggedfsdp / FSDP2, the ratio per round, and the
+  CPU time of a step summed over the ranks' processes;
+- collectives per step by kind and by mesh dimension: ``raggedfsdp.profiling.CommCounter``
+  subclassed to record each collective's process group, matched to the mesh
+  dimension whose group has the same ranks (``world``: all 4 ranks, on a 2-D mesh);
+  bytes are an all-gather's output and any other collective's input, per rank;
+- peak memory per rank over one step (``MemTracker`` via
+  ``raggedfsdp.profiling.peak_memory``, each system's persistent storages tracked);
+- the per-step losses of the two systems (max abs difference).
+
+No gradient clipping (torch's ``clip_grad_norm_`` refuses FSDP2 x TP's mixed meshes).
+Writes ``benchmarks/results/composition.md`` (or ``--out``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from _common import (  # beside this script, so on sys.path
+    ANALYSIS,
+    RESULTS,
+    fsdp2_params,
+    gather_objects,
+    header,
+    run_ranks,
+    write_results,
+)
+from torch.distributed.distributed_c10d import _resolve_process_group
+
+from raggedfsdp.fsdp import buffers_of
+from raggedfsdp.profiling import CommCounter, peak_memory
+from raggedfsdp.train.report import mib, ratio
+
+SYSTEMS = ("raggedfsdp", "fsdp2")
+MESHES = ("fsdp", "hsdp", "fsdp_tp")
+MESH_LABELS = {
+    "fsdp": "FSDP (shard 4)",
+    "hsdp": "HSDP (replicate 2, shard 2)",
+    "fsdp_tp": "FSDP x TP (dp 2, tp 2)",
+}
+
+
+# ---- meshes and models --------------------------------------------------------------------------
+def make_mesh(kind: str, world: int):
+    """The device mesh of ``kind`` over ``world`` ranks (2-D ones are 2 x world/2)."""
+    from torch.distributed.tensor import init_device_mesh
+
+    if kind == "fsdp":
+        return init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
+    names = ("replicate", "shard") if kind == "hsdp" else ("dp", "tp")
+    return init_device_mesh("cpu", (2, world // 2), mesh_dim_names=names)
+
+
+def tp_plan(model_name: str) -> dict:
+    """The tensor-parallel plan of one block: attention always, the dense FFN if dense."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    plan = {
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(),
+    }
+    if model_name.startswith("moe"):  # the experts (and the dense first block) stay data-parallel
+        return plan
+    return plan | {
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w3": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(),
+    }
+
+
+def build(system: str, model_name: str, kind: str, mesh, args) -> torch.nn.Module:
+    """A model sharded by ``system`` on ``mesh`` as the mesh ``kind`` composes it."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from raggedfsdp.models import Transformer, get_config
+
+    if system == "raggedfsdp":
+        from raggedfsdp import fully_shard
+    else:
+        from torch.distributed.fsdp import fully_shard
+    model = Transformer(get_config(model_name), max_seq_len=args.seq, seed=args.seed)
+    fsdp_mesh = mesh["dp"] if kind == "fsdp_tp" else mesh
+    for block in model.transformer_blocks():
+        if kind == "fsdp_tp":
+            parallelize_module(block, mesh["tp"], tp_plan(model_name))
+        fully_shard(block, mesh=fsdp_mesh)
+    fully_shard(model, mesh=fsdp_mesh)
+    return model
+
+
+def data_coordinate(kind: str, mesh, rank: int, world: int) -> tuple[int, int]:
+    """``(index, count)`` of this rank's data-parallel coordinate: whose rows it takes."""
+    if kind == "fsdp_tp":
+        return mesh["dp"].get_local_rank(), mesh["dp"].size()
+    return rank, world  # every rank is data-parallel on the 1-D and HSDP meshes
+
+
+# ---- collectives by mesh dimension ----------------------------------------------------------
+class DimCommCounter(CommCounter):
+    """``CommCounter`` that also records each collective's process group, by mesh dimension.
+
+    Args:
+        dims: ``{frozenset of global ranks: name}`` of the mesh's dimension groups
+            that contain this rank; a group matching none is named ``"world"`` if it
+            holds every rank, else by its ranks.
+    """
+
+    def __init__(self, dims: dict[frozenset[int], str]):
+        super().__init__()
+        self.dims = dims
+        self.dim_of_event: list[str] = []  # parallel to self.events
+
+    def _event(self, func, args, kwargs, out):
+        event = super()._event(func, args, kwargs, out)
+        self.dim_of_event.append(self._dim(func, args, kwargs))
+        return event
+
+    def _dim(self, func, args, kwargs) -> str:
+        group = None
+        for i, arg in enumerate(func._schema.arguments):
+            value = args[i] if i < len(args) else kwargs.get(arg.name)
+            if isinstance(value, torch.ScriptObject) and "ProcessGroup" in str(arg.type):
+                group = dist.ProcessGroup.unbox(value)  # c10d ops
+            elif arg.name == "group_name" and isinstance(value, str):
+                group = _resolve_process_group(value)  # functional collectives (DTensor's)
+        if group is None:
+            return "unknown"
+        ranks = frozenset(dist.get_process_group_ranks(group))
+        if ranks in self.dims:
+            return self.dims[ranks]
+        return "world" if len(ranks) == dist.get_world_size() else f"ranks {sorted(ranks)}"
+
+    def by_dim(self) -> dict[str, dict[str, list[int]]]:
+        """``{dim: {kind: [count, input bytes, output bytes]}}``."""
+        out: dict[str, dict[str, list[int]]] = {}
+        for e, dim in zip(self.events, self.dim_of_event):
+            c, i, o = out.setdefault(dim, {}).get(e.kind, (0, 0, 0))
+            out[dim][e.kind] = [c + 1, i + e.input_bytes, o + e.output_bytes]
+        return out
+
+
+def mesh_dims(mesh) -> dict[frozenset[int], str]:
+    """``{ranks of this rank's group along a dimension: the dimension's name}``."""
+    return {
+        frozenset(dist.get_process_group_ranks(mesh.get_group(name))): name
+        for name in mesh.mesh_dim_names
+    }
+
+
+# ---- one system on one mesh -----------------------------------------------------------------
+class Run:
+    """One model sharded by one system on one mesh, trained step by step on the shared data."""
+
+    def __init__(self, system: str, model_name: str, kind: str, mesh, args, rank, world, data):
+        self.system, self.kind, self.mesh, self.args, self.data = system, kind, mesh, args, data
+        self.model = build(system, model_name, kind, mesh, args)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=args.lr, weight_decay=0.1)
+        self.coord = data_coordinate(kind, mesh, rank, world)
+        self.world = world
+        self.step_index = 0
+        self.losses: list[float] = []
+        self.times: list[float] = []  # wall seconds per timed step (barrier to barrier)
+        self.cpu: list[float] = []  # CPU seconds of this rank per timed step
+
+    def step(self, timed: bool = False, around=contextlib.nullcontext) -> None:
+        """One training step; ``around()`` (a counter or tracker) wraps its compute only."""
+        from raggedfsdp.models import lm_loss
+        from raggedfsdp.train import get_batch
+
+        index, count = self.coord
+        x, y = get_batch(
+            self.data, seed=self.args.seed, step=self.step_index, batch_size=self.args.batch,
+            seq_len=self.args.seq, rank=index, world_size=count,
+        )  # fmt: skip
+        dist.barrier()
+        t0, c0 = time.perf_counter(), time.process_time()
+        with around():
+            loss = lm_loss(self.model(x), y)
+            loss.backward()
+            self.opt.step()
+            self.opt.zero_grad()
+        cpu = time.process_time() - c0
+        dist.barrier()
+        seconds = time.perf_counter() - t0
+        if timed:
+            self.times.append(seconds)
+            self.cpu.append(cpu)
+        loss = loss.detach()
+        dist.all_reduce(loss)  # the tp ranks of one dp coordinate hold the same loss
+        self.losses.append(loss.item() / self.world)
+        self.step_index += 1
+
+    def persistent_storages(self) -> list[torch.Tensor]:
+        """Storages the system allocated at ``fully_shard`` time and resizes afterwards."""
+        if self.system == "raggedfsdp":
+            return [t for buf in buffers_of(self.model) for t in buf.storages()]
+        return [
+            t
+            for params in fsdp2_params(self.model).values()
+            for p in params
+            for t in p.all_gather_outputs
+        ]
+
+    def count_step(self) -> dict:
+        comms = DimCommCounter(mesh_dims(self.mesh))
+        self.step(around=lambda: comms)
+        return comms.by_dim()
+
+    def memory_step(self) -> dict:
+        return peak_memory(self.step, self.model, self.opt, *self.persistent_storages())
+
+
+def _rank_main(rank: int, world: int, save, args) -> None:
+    from raggedfsdp.train.data import DataConfig, load_corpus
+
+    data = load_corpus(DataConfig(max_bytes=1 << 20)).train
+    meshes = {kind: make_mesh(kind, world) for kind in args.meshes}
+    results: dict = {}
+    for model_name in args.models:
+        for kind, mesh in meshes.items():
+            if rank == 0:
+                print(f"{model_name} on {kind}", flush=True)
+            runs = {s: Run(s, model_name, kind, mesh, args, rank, world, data) for s in SYSTEMS}
+            for _ in range(args.warmup):
+                for s in SYSTEMS:
+                    runs[s].step()
+            for r in range(math.ceil(args.steps / args.block)):
+                for s in SYSTEMS if r % 2 == 0 else SYSTEMS[::-1]:
+                    for _ in range(args.block):
+                        runs[s].step(timed=True)
+            comms = {s: runs[s].count_step() for s in SYSTEMS}
+            memory = {s: runs[s].memory_step() for s in SYSTEMS}
+            peaks = gather_objects({s: memory[s]["Total"] for s in SYSTEMS})
+            cpus = gather_objects({s: runs[s].cpu for s in SYSTEMS})
+            a, b = (runs[s].losses for s in SYSTEMS)
+            results.setdefault(model_name, {})[kind] = {
+                "params": sum(p.numel() for p in runs["fsdp2"].model.parameters()),
+                "losses": {s: runs[s].losses for s in SYSTEMS},
+                "max_loss_diff": max(abs(x - y) for x, y in zip(a, b)),
+                "times": {s: runs[s].times for s in SYSTEMS},
+                "cpu": {s: [sum(c) for c in zip(*(p[s] for p in cpus))] for s in SYSTEMS},
+                "comm": comms,
+                "memory_rank0": memory,
+                "peak_per_rank": {s: [p[s] for p in peaks] for s in SYSTEMS},
+            }
+            del runs
+            save(results)  # what finished survives a later crash
+
+
+# ---- report ----------------------------------------------------------------------------------
+def _r(a: float, b: float, digits: int = 3) -> str:
+    return f"{ratio(a, b):.{digits}f}" if b else "-"  # "-": FSDP2 has none
+
+
+def _size(nbytes: int) -> str:
+    """MiB, or bytes when under a KiB (a few-byte flag all-reduce)."""
+    return f"{nbytes} B" if 0 < nbytes < 1024 else mib(nbytes)
+
+
+def _bytes(stats: list[int], kind: str) -> int:
+    """The bytes that count for ``kind``: an all-gather's output, any other's input."""
+    return stats[2] if kind == "all_gather" else stats[1]
+
+
+def _dims(r: dict) -> list[str]:
+    return sorted({d for s in SYSTEMS for d in r["comm"][s]})
+
+
+def _paired_ratios(r: dict, block: int) -> list[float]:
+    a, b = r["times"]["raggedfsdp"], r["times"]["fsdp2"]
+    return [
+        statistics.median(a[i : i + block]) / statistics.median(b[i : i + block])
+        for i in range(0, min(len(a), len(b)), block)
+    ]
+
+
+def _summary_rows(r: dict, args) -> list[tuple[str, str, str, str]]:
+    """(metric, raggedfsdp, FSDP2, ratio raggedfsdp / FSDP2), formatted."""
+    ta, tb = (statistics.median(r["times"][s]) * 1e3 for s in SYSTEMS)
+    paired = _paired_ratios(r, args.block)
+    ua, ub = (statistics.median(r["cpu"][s]) * 1e3 for s in SYSTEMS)
+    rows = [
+        ("step time, median (ms)", f"{ta:.1f}", f"{tb:.1f}", _r(ta, tb)),
+        (
+            f"step time ratio per round, median (min-max) of {len(paired)}",
+            "",
+            "",
+            f"{statistics.median(paired):.3f} ({min(paired):.3f}-{max(paired):.3f})",
+        ),
+        ("CPU time per step, all ranks, median (ms)", f"{ua:.1f}", f"{ub:.1f}", _r(ua, ub)),
+    ]
+    for dim in _dims(r):
+        kinds = sorted({k for s in SYSTEMS for k in r["comm"][s].get(dim, {})})
+        for kind in kinds:
+            (ca, a), (cb, b) = (
+                (v[0], _bytes(v, kind))
+                for v in (r["comm"][s].get(dim, {}).get(kind, [0, 0, 0]) for s in SYSTEMS)
+            )
+            rows.append(
+                (f"`{dim}`: {kind}, count / MiB", f"{ca} / {_size(a)}", f"{cb} / {_size(b)}",
+                 _r(a, b, 4))
+            )  # fmt: skip
+        a, b = (sum(_bytes(v, k) for k, v in r["comm"][s].get(dim, {}).items()) for s in SYSTEMS)
+        rows.append((f"`{dim}`: all collectives (MiB)", mib(a), mib(b), _r(a, b, 4)))
+    pa, pb = (max(r["peak_per_rank"][s]) for s in SYSTEMS)
+    rows.append(("peak memory, max over ranks (MiB)", mib(pa), mib(pb), _r(pa, pb)))
+    steps = len(r["losses"]["raggedfsdp"])
+    rows.append(
+        (f"max abs loss difference over {steps} steps", "", "", f"{r['max_loss_diff']:.3g}")
+    )
+    return rows
+
+
+def _raw_numbers(name: str, kind: str, r: dict) -> list[str]:
+    lines = [f"### {name}, {MESH_LABELS[kind]} ({r['params']:,} parameters)", ""]
+    for s in SYSTEMS:
+        t = r["times"][s]
+        lines.append(f"- {s} step times (ms, in order): " + ", ".join(f"{x * 1e3:.1f}" for x in t))
+        lines.append(
+            f"- {s} CPU time per step, all ranks (ms, in order): "
+            + ", ".join(f"{x * 1e3:.1f}" for x in r["cpu"][s])
+        )
+    lines += ["", "Collectives per step, rank 0 (count, input bytes, output bytes):", ""]
+    lines += ["| mesh dim | kind | raggedfsdp | FSDP2 |", "|---|---|---|---|"]
+    for dim in _dims(r):
+        for k in sorted({k for s in SYSTEMS for k in r["comm"][s].get(dim, {})}):
+            cells = [
+                ", ".join(f"{v:,}" for v in r["comm"][s].get(dim, {}).get(k, [0, 0, 0]))
+                for s in SYSTEMS
+            ]
+            lines.append(f"| {dim} | {k} | {cells[0]} | {cells[1]} |")
+    lines += ["", "Peak memory (MemTracker, bytes):", ""]
+    lines += ["| | raggedfsdp | FSDP2 |", "|---|---:|---:|"]
+    for rk in range(len(r["peak_per_rank"]["raggedfsdp"])):
+        a, b = (r["peak_per_rank"][s][rk] for s in SYSTEMS)
+        lines.append(f"| rank {rk}, peak | {a:,} | {b:,} |")
+    keys = list(dict.fromkeys([*r["memory_rank0"]["raggedfsdp"], *r["memory_rank0"]["fsdp2"]]))
+    for key in keys:
+        a, b = (r["memory_rank0"][s].get(key, 0) for s in SYSTEMS)
+        lines.append(f"| rank 0 at its peak: {key} | {a:,} | {b:,} |")
+    lines += ["", "Losses per step:", ""]
+    for s in SYSTEMS:
+        lines.append(f"- {s}: " + ", ".join(f"{x:.6f}" for x in r["losses"][s]))
+    return [*lines, ""]
+
+
+def report(results: dict, args, command: str, seconds: float, load: list) -> str:
+    """The page: configuration, the summary table, the analysis (kept), the raw numbers."""
+    lines = header("Composed meshes: raggedfsdp vs FSDP2 on FSDP, HSDP and FSDP x TP", command,
+                   seconds)  # fmt: skip
+    lines += [
+        f"Configuration: {args.world} gloo ranks on {os.cpu_count()} CPU cores (1 thread each), "
+        f"fp32, torch AdamW (lr {args.lr}, weight decay 0.1), no gradient clipping, global batch "
+        f"{args.batch} x {args.seq} tokens (rows split over the data-parallel coordinates: 4 on "
+        f"FSDP and HSDP, 2 on FSDP x TP, where both tp ranks of a dp coordinate take the same "
+        f"rows), seed {args.seed}. Meshes: FSDP `(shard 4)`; HSDP `(replicate 2, shard 2)`, "
+        f"`fully_shard(block, mesh=mesh)` per block then the root; FSDP x TP `(dp 2, tp 2)`, "
+        f"per block `parallelize_module(block, mesh['tp'], plan)` (ColwiseParallel on "
+        f"attention.wq/wk/wv and, llama only, feed_forward.w1/w3; RowwiseParallel on "
+        f"attention.wo and, llama only, feed_forward.w2; the MoE model's FFNs and experts stay "
+        f"data-parallel) then `fully_shard(block, mesh=mesh['dp'])`, then the root on "
+        f"`mesh['dp']`. The catalogue configs' 6 query and 2 key/value heads split over tp 2 "
+        f"as they are. Both systems use the same mesh object, defaults otherwise. "
+        f"{args.warmup} warm-up steps each, then {args.steps} timed steps each in blocks of "
+        f"{args.block}, alternating ABBA; then one step under the per-dimension CommCounter and "
+        f"one under MemTracker for each. Bytes are rank 0's per step (an all-gather's output, "
+        f"any other collective's input); `world` is a collective over all 4 ranks on a 2-D "
+        f"mesh. A step is forward, backward, `opt.step()`, `opt.zero_grad()`, timed between "
+        f"two barriers. Load average (1 min) before / after the run: {load[0]:.2f} / "
+        f"{load[1]:.2f}.",
+        "",
+        "## Summary",
+        "",
+        "| model | mesh | metric | raggedfsdp | FSDP2 | ratio |",
+        "|---|---|---|---:|---:|---:|",
+    ]
+    for name, by_mesh in results.items():
+        for kind, r in by_mesh.items():
+            for label, a, b, rat in _summary_rows(r, args):
+                lines.append(f"| {name} | {kind} | {label} | {a} | {b} | {rat} |")
+    lines += ["", ANALYSIS, "", "## Raw numbers", ""]
+    for name, by_mesh in results.items():
+        for kind, r in by_mesh.items():
+            lines += _raw_numbers(name, kind, r)
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--world", type=int, default=4, help="gloo ranks (default 4)")
+    parser.add_argument("--models", nargs="+", default=["llama-small", "moe-small"])
+    parser.add_argument("--meshes", nargs="+", choices=MESHES, default=list(MESHES))
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per system and mesh")
+    parser.add_argument("--block", type=int, default=2, help="steps per system before switching")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps per system first")
+    parser.add_argument("--batch", type=int, default=8, help="global batch (rows)")
+    parser.add_argument("--seq", type=int, default=64, help="tokens per row")
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=RESULTS / "composition.md")
+    args = parser.parse_args(argv)
+    if args.world % 2 or args.batch % args.world:
+        parser.error(f"--world must be even and divide --batch, got {args.world}, {args.batch}")
+    command = " ".join([".venv/bin/python", "benchmarks/composition.py", *sys.argv[1:]])
+    print(command, flush=True)
+    t0, load = time.perf_counter(), [os.getloadavg()[0]]
+    results = run_ranks(_rank_main, args.world, args)
+    load.append(os.getloadavg()[0])
+    write_results(args.out, report(results, args, command, time.perf_counter() - t0, load))
+    print(args.out.read_text())
+
+
+if __name__ == "__main__":
+    main()
