@@ -14,6 +14,7 @@ COMMANDS = {
     "demo": ("raggedfsdp._demo", "train on 4 ranks with raggedfsdp and FSDP2, side by side"),
     "train": ("raggedfsdp.train._cli", "train a model on N ranks (torchrun)"),
     "plan": ("raggedfsdp.planner._cli", "plan communication buffers for a model"),
+    "simulate": ("raggedfsdp.simulate", "memory and comms of one rank of N, on fake tensors"),
     "walkthrough": ("raggedfsdp._walkthrough", "RaggedShard on 4 gloo ranks, step by step"),
 }
 

@@ -1,0 +1,695 @@
+"""``python -m raggedfsdp simulate``: one rank of an N-rank training step, on fake tensors.
+
+Real model shapes at real world sizes, in one process on the CPU: the catalogue model
+is built on ``meta`` with K transformer blocks (embeddings and head included),
+``fully_shard``-ed as a user would (each block, then the root) by raggedfsdp or by
+torch's FSDP2 over torch's fake process group of ``world`` ranks, materialised with
+``to_empty`` under ``FakeTensorMode`` (no byte is allocated, no value is read), and
+stepped (forward, backward, optimizer step) under a memory tracker::
+
+    python -m raggedfsdp simulate --model llama3-70b --world 1024 --layers 2 --ac
+    python -m raggedfsdp simulate --model gpt-oss-120b --world 256 --system both --json
+
+    from raggedfsdp.simulate import SimConfig, simulate
+    result = simulate(SimConfig(model="llama3-70b", world=1024, system="raggedfsdp"))
+    result["peak"]["total"], result["roles"], result["comm"]
+
+[Note: what the simulation measures]
+- **Memory** is ``MemTracker``'s (``torch.distributed._tools.mem_tracker``): every
+  storage created, resized or freed on this rank, fake or not, in bytes (the CPU
+  rule: no rounding to the caching allocator's blocks). So it is *allocated* memory
+  per rank, not reserved memory on a device (no fragmentation, no allocator cache).
+  The peak is given twice: by MemTracker's own categories (PARAM, GRAD, ACT, TEMP,
+  OPT, ...) and by role, classifying each storage alive at the peak after the step,
+  when it is known what each storage was: sharded parameters (the storages of the
+  sharded parameters before the step), optimizer state, sharded gradients (the
+  ``.grad`` storages after backward), unsharded gradients (MemTracker's GRAD
+  otherwise), unsharded parameters (its PARAM otherwise: the parameters a module
+  holds while it runs), communication buffers (any other storage a collective read
+  or wrote), activations (the rest: ACT, BUFFER, OTH) and backward temporaries
+  (TEMP). raggedfsdp's unsharded parameters *are* its all-gather output (zero copy);
+  FSDP2's all-gather output is a separate buffer that it copies out of.
+- **DTensor's sharding propagation** runs each op on global-shape fake tensors in the
+  active fake mode (``detect_fake_mode()``), which here is the simulation's, so
+  MemTracker would count those global tensors as this rank's. The simulation marks
+  propagation (``ShardingPropagator._propagate_tensor_meta_non_cached``) and the
+  tracker skips what runs inside it.
+- **Collectives** are ``raggedfsdp.profiling.CommCounter``'s (fake tensors counted as
+  real ones: their bytes are their shapes'), per kind, with each event's bytes.
+- **Allocations** are storages created or resized from empty during the step, and
+  their distinct sizes: the pressure on a caching allocator.
+- **MoE routing** is data dependent (``bincount().tolist()``); on fake tensors each
+  MoE layer routes its tokens evenly over its experts instead (same shapes as a
+  balanced router; no value read).
+- **Models the trainable modules do not build** run as their nearest buildable
+  variant (``buildable_config``): GPT-OSS with torchtitan's unfused experts
+  ``w1, w2, w3 [E, F, D]`` in place of ``gate_up_proj [E, D, 2F]``, ``down_proj``, no
+  expert biases and no attention sinks (0.01% of its parameters). DeepSeek's MLA
+  attention is not built (NotImplementedError).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import gc
+import json
+import math
+import sys
+import time
+import types
+from collections import Counter
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = [
+    "SimConfig",
+    "build_model",
+    "buildable_config",
+    "fake_world",
+    "main",
+    "shard_model",
+    "simulate",
+    "time_fully_shard",
+]
+
+SYSTEMS = ("raggedfsdp", "fsdp2")
+ROLES = (
+    "sharded_params",
+    "unsharded_params",
+    "comm_buffers",
+    "sharded_grads",
+    "unsharded_grads",
+    "optimizer",
+    "activations",
+    "temporaries",
+)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SimConfig:
+    """One simulated step.
+
+    Args:
+        model: a catalogue name (``raggedfsdp.models.get_config``).
+        world: ranks of the fake process group. Default 64.
+        layers: transformer blocks built (K); None: the model's own count. Default 2.
+        system: ``"raggedfsdp"`` or ``"fsdp2"``. Default ``"raggedfsdp"``.
+        optim: ``"adamw"`` (``torch.optim.AdamW``, foreach, for both systems) or
+            ``"none"``. Default ``"adamw"``.
+        mp: ``"bf16"`` (bf16 compute, fp32 master weights and reductions) or
+            ``"fp32"``. Default ``"bf16"``.
+        batch: sequences per rank. Default 1.
+        seq: tokens per sequence. Default 4096.
+        ac: activation checkpointing per block (``checkpoint_wrapper``). Default True.
+        rank: the simulated rank. Default 0.
+        warmup: unmeasured steps first (the optimizer state exists, as in steady
+            state). Default 1.
+        width: divide the model's widths (dim, heads, FFN) by this, for tests.
+            Default 1.
+    """
+
+    model: str
+    world: int = 64
+    layers: int | None = 2
+    system: str = "raggedfsdp"
+    optim: str = "adamw"
+    mp: str = "bf16"
+    batch: int = 1
+    seq: int = 4096
+    ac: bool = True
+    rank: int = 0
+    warmup: int = 1
+    width: int = 1
+
+    def __post_init__(self) -> None:
+        if self.system not in SYSTEMS:
+            raise ValueError(f"SimConfig: system must be one of {SYSTEMS}, got {self.system!r}")
+        if self.optim not in ("adamw", "none"):
+            raise ValueError(f"SimConfig: optim must be 'adamw' or 'none', got {self.optim!r}")
+        if self.mp not in ("bf16", "fp32"):
+            raise ValueError(f"SimConfig: mp must be 'bf16' or 'fp32', got {self.mp!r}")
+        if self.world < 1 or not 0 <= self.rank < self.world:
+            raise ValueError(
+                f"SimConfig: need world >= 1 and 0 <= rank < world, got {self.world}, {self.rank}"
+            )
+        for name in ("batch", "seq", "width"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"SimConfig: {name} must be >= 1, got {getattr(self, name)}")
+        if self.layers is not None and self.layers < 1:
+            raise ValueError(f"SimConfig: layers must be >= 1 or None, got {self.layers}")
+
+
+# ================================================================================================
+# The model
+# ================================================================================================
+def buildable_config(name: str, layers: int | None = None, width: int = 1):
+    """The catalogue config ``name`` as ``raggedfsdp.models.Transformer`` can build it.
+
+    Args:
+        name: a catalogue name.
+        layers: blocks to keep (the first ``layers``); None keeps them all. Default None.
+        width: divide dim, heads and FFN widths by this (vocab too). Default 1.
+
+    Returns:
+        ``(config, note)``: the config, and what was changed to build it ("" if nothing).
+
+    Raises:
+        NotImplementedError: MLA attention (DeepSeek), which the modules do not build.
+    """
+    from raggedfsdp.models import get_config
+
+    c = get_config(name)
+    notes = []
+    if c.attention == "mla":
+        raise NotImplementedError(
+            f"simulate: {name!r} uses MLA attention, which raggedfsdp.models.Transformer "
+            f"does not build; its shapes can still be planned (python -m raggedfsdp plan)"
+        )
+    if c.fused_gate_up or c.expert_bias or c.attn_sinks:
+        c = dataclasses.replace(c, fused_gate_up=False, expert_bias=False, attn_sinks=False)
+        notes.append("unfused experts w1/w2/w3, no expert biases, no attention sinks")
+    if layers is not None and layers != c.n_layers:
+        c = dataclasses.replace(c, n_layers=layers, n_dense_layers=min(c.n_dense_layers, layers))
+        notes.append(f"{layers} of {get_config(name).n_layers} blocks")
+    if width > 1:
+        head_dim = max(2, (c.head_dim or c.dim // c.n_heads) // width // 2 * 2)
+        heads = max(c.n_kv_heads // width, 1) * max(c.n_heads // c.n_kv_heads, 1)
+        c = dataclasses.replace(
+            c,
+            dim=max(c.dim // width, 8),
+            n_heads=heads,
+            n_kv_heads=max(c.n_kv_heads // width, 1),
+            head_dim=head_dim,
+            ffn_dim=max(c.ffn_dim // width, 1) if c.ffn_dim else 0,
+            moe_ffn_dim=max(c.moe_ffn_dim // width, 1) if c.moe_ffn_dim else 0,
+            vocab_size=max(c.vocab_size // width, 16),
+        )
+        notes.append(f"widths divided by {width}")
+    return c, "; ".join(notes)
+
+
+def _balanced_moe_forward(self, x: torch.Tensor) -> torch.Tensor:
+    """``MoE.forward`` with every expert given an even share of the routed tokens.
+
+    The real forward reads the routing counts on the host (``.tolist()``), which a fake
+    tensor has no value for. The shapes and ops here are those of a balanced router.
+    """
+    shape = x.shape
+    x = x.reshape(-1, shape[-1])  # (T, D)
+    T, k, E = x.shape[0], self.router.top_k, self.experts.n_experts
+    experts, weights = self.router(x)  # (T, k) each
+    order = torch.argsort(experts.reshape(-1), stable=True)  # (T*k,)
+    counts = [T * k // E + (e < T * k % E) for e in range(E)]
+    routed = self.experts(x[order // k], counts)  # (T*k, D)
+    routed = routed[torch.argsort(order)].view(T, k, -1)
+    out = (routed * weights.unsqueeze(-1).to(routed.dtype)).sum(dim=1)  # (T, D)
+    if self.shared_experts is not None:
+        out = out + self.shared_experts(x)
+    return out.view(shape)
+
+
+def build_model(cfg: SimConfig) -> tuple[nn.Module, str]:
+    """The model on ``meta``: routing made balanced, blocks checkpoint-wrapped if ``cfg.ac``."""
+    from raggedfsdp.models import Transformer
+    from raggedfsdp.models.transformer import MoE
+
+    config, note = buildable_config(cfg.model, cfg.layers, cfg.width)
+    with torch.device("meta"):
+        model = Transformer(config, max_seq_len=cfg.seq)
+    for m in model.modules():
+        if isinstance(m, MoE):
+            m.forward = types.MethodType(_balanced_moe_forward, m)
+    if cfg.ac:
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+            checkpoint_wrapper,
+        )
+
+        for i, block in enumerate(model.layers):
+            model.layers[i] = checkpoint_wrapper(block)
+    return model, note
+
+
+def shard_model(model: nn.Module, mesh, system: str, mp: str) -> None:
+    """``fully_shard`` each block, then the root, by ``system``."""
+    if system == "raggedfsdp":
+        from raggedfsdp import MixedPrecisionPolicy, fully_shard
+    else:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    kwargs: dict[str, Any] = {"mesh": mesh}
+    if mp == "bf16":
+        kwargs["mp_policy"] = MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16, reduce_dtype=torch.float32
+        )
+    for block in model.layers:
+        fully_shard(block, **kwargs)
+    fully_shard(model, **kwargs)
+
+
+@contextlib.contextmanager
+def fake_world(world: int, rank: int = 0) -> Iterator[Any]:
+    """torch's fake process group of ``world`` ranks as ``rank``; yields its 1-D CPU mesh."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    try:
+        yield init_device_mesh("cpu", (world,))
+    finally:
+        dist.destroy_process_group()
+
+
+# ================================================================================================
+# The instruments
+# ================================================================================================
+class _Propagation:
+    """Marks DTensor's sharding propagation (global-shape fake ops) while patched in."""
+
+    depth = 0
+
+    @classmethod
+    @contextlib.contextmanager
+    def patched(cls) -> Iterator[None]:
+        from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+        original = ShardingPropagator._propagate_tensor_meta_non_cached
+
+        def marked(self, op_schema):
+            cls.depth += 1
+            try:
+                return original(self, op_schema)
+            finally:
+                cls.depth -= 1
+
+        ShardingPropagator._propagate_tensor_meta_non_cached = marked
+        try:
+            yield
+        finally:
+            ShardingPropagator._propagate_tensor_meta_non_cached = original
+
+
+def _local_tensors(tree) -> list[torch.Tensor]:
+    """The plain tensors in ``tree`` (a DTensor's local tensor)."""
+    from torch.utils._pytree import tree_leaves
+
+    return [
+        t.to_local() if hasattr(t, "to_local") else t
+        for t in tree_leaves(tree)
+        if isinstance(t, torch.Tensor)
+    ]
+
+
+def _mem_tracker():
+    """``MemTracker`` that skips sharding propagation and logs every storage's changes.
+
+    Each storage it tracks gets a serial number (``serial_of``); ``log`` holds
+    ``(serial, bytes, MemTracker category)`` after each change, and ``peak_at`` the log's
+    length when the peak was reached, so the storages alive at the peak are a replay
+    of the log, classified once the step is over (``roles``).
+    """
+    from torch.distributed._tools.common_utils import get_untyped_storages
+    from torch.distributed._tools.mem_tracker import MemTracker, _UpdateType
+
+    class SimTracker(MemTracker):
+        def __init__(self):
+            super().__init__()
+            self.counting = False
+            self.alloc_sizes: Counter[int] = Counter()
+            self.log: list[tuple[int, int, str]] = []
+            self.peak_at = 0
+            self.timeline: list[int] = []  # total bytes after each op of the step
+            self._best = -1
+            self._serials = iter(range(1 << 62))
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if _Propagation.depth:
+                return func(*args, **(kwargs or {}))
+            return super().__torch_dispatch__(func, types, args, kwargs)
+
+        def serial_of(self, t: torch.Tensor) -> set[int]:
+            """Serials of the tracked storages of ``t``."""
+            found = (self._WINFO.get(st) for st in get_untyped_storages(t))
+            return {self._serial(w[0]) for w in found if w is not None}
+
+        def _serial(self, winfo) -> int:
+            if not hasattr(winfo, "sim_serial"):
+                winfo.sim_serial = next(self._serials)
+            return winfo.sim_serial
+
+        def _update_snap(self, u_type, winfo, old_mem_consumed=None, old_reftype=None):
+            super()._update_snap(u_type, winfo, old_mem_consumed, old_reftype)
+            live = 0 if u_type == _UpdateType.DEL else winfo.mem_consumed
+            self.log.append((self._serial(winfo), live, winfo.reftype.name))
+            if self.counting and (
+                u_type == _UpdateType.ADD
+                or (u_type == _UpdateType.SIZE and not old_mem_consumed and winfo.mem_consumed)
+            ):
+                self.alloc_sizes[winfo.mem_consumed] += 1
+
+        def _update_peak_stats(self, peak_state):
+            super()._update_peak_stats(peak_state)
+            total = sum(s["Total"] for s in self._curr_mem_snap.values())
+            if self.counting:
+                self.timeline.append(total)
+            if total > self._best:
+                self._best, self.peak_at = total, len(self.log)
+
+        def at_peak(self) -> dict[int, tuple[int, str]]:
+            """``{serial: (bytes, category)}`` of the storages alive at the peak."""
+            live: dict[int, tuple[int, str]] = {}
+            for serial, nbytes, reftype in self.log[: self.peak_at]:
+                live[serial] = (nbytes, reftype)
+            return {k: v for k, v in live.items() if v[0]}
+
+    return SimTracker()
+
+
+def _comm_counter(tracker):
+    """``CommCounter`` that counts collectives on fake tensors and notes the serials (in
+    ``tracker``) of the storages they read and write. Enter it inside ``tracker``."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    from raggedfsdp.profiling import CommCounter
+
+    class FakeCommCounter(CommCounter):
+        def __init__(self):
+            super().__init__()
+            self.serials: set[int] = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen = tuple(torch.Tensor if issubclass(t, FakeTensor) else t for t in types)
+            n = len(self.events)
+            out = super().__torch_dispatch__(func, seen, args, kwargs)
+            if len(self.events) > n:
+                for t in _local_tensors((args, kwargs, out)):
+                    self.serials |= tracker.serial_of(t)
+            return out
+
+    return FakeCommCounter()
+
+
+def _classify(at_peak, sharded, grads, opt_state, comm) -> dict[str, int]:
+    """Bytes by role of the storages alive at the peak. See [Note: what the simulation measures]."""
+    out = dict.fromkeys(ROLES, 0)
+    for serial, (nbytes, reftype) in at_peak.items():
+        if serial in sharded:
+            role = "sharded_params"
+        elif serial in opt_state or reftype == "OPT":
+            role = "optimizer"
+        elif serial in grads:
+            role = "sharded_grads"
+        elif reftype == "GRAD":
+            role = "unsharded_grads"
+        elif reftype == "PARAM":
+            role = "unsharded_params"
+        elif serial in comm:
+            role = "comm_buffers"
+        elif reftype == "TEMP":
+            role = "temporaries"
+        else:
+            role = "activations"
+        out[role] += nbytes
+    return out
+
+
+# ================================================================================================
+# What each system's layout says
+# ================================================================================================
+def _layout_facts(model: nn.Module, system: str, world: int, rank: int) -> dict[str, Any]:
+    """Per-group sizes from the system's own layout: the instrument's expected values."""
+    groups = []
+    if system == "raggedfsdp":
+        from raggedfsdp.fsdp import buffers_of
+
+        for buf in buffers_of(model):
+            lay = buf.layout
+            groups.append(
+                {
+                    "params": len(buf.params),
+                    "numel": lay.total_numel,
+                    "shard_elems": lay.shard_size,
+                    "global_elems": lay.global_size,
+                    "padding": lay.padding,
+                    "shard_bytes": lay.shard_size * buf.dtype.itemsize,
+                    "gather_bytes": lay.global_size * buf.compute_dtype.itemsize,
+                }
+            )
+    else:
+        for m in model.modules():
+            if m is not model and m not in set(model.layers):
+                continue
+            own = [
+                p
+                for name, p in m.named_parameters()
+                if m is not model or not name.startswith("layers.")
+            ]
+            local = sum(p.to_local().numel() for p in own)
+            padded = sum(
+                math.ceil(p.shape[0] / world) * world * math.prod(p.shape[1:]) for p in own
+            )
+            groups.append(
+                {
+                    "params": len(own),
+                    "numel": sum(p.numel() for p in own),
+                    "shard_elems": padded // world,
+                    "local_elems": local,
+                    "global_elems": padded,
+                    "padding": padded - sum(p.numel() for p in own),
+                    "shard_bytes": padded // world * own[0].dtype.itemsize,
+                }
+            )
+    return {
+        "groups": groups,
+        "params": sum(g["params"] for g in groups),
+        "padding_elems": sum(g["padding"] for g in groups),
+        "numel": sum(g["numel"] for g in groups),
+    }
+
+
+# ================================================================================================
+# One simulated step
+# ================================================================================================
+def simulate(cfg: SimConfig) -> dict[str, Any]:
+    """Build, shard and step ``cfg.model`` as rank ``cfg.rank`` of ``cfg.world``; measure it.
+
+    Returns:
+        A JSON-able dict: ``config``, ``note`` (what was changed to build the model),
+        ``params`` (elements), ``layout`` (per-group sizes from the system's layout),
+        ``peak`` (MemTracker's categories at the peak, bytes), ``roles`` (bytes by role
+        at the same peak), ``comm`` (``{kind: [count, input bytes, output bytes]}``),
+        ``comm_events`` (``[kind, input bytes, output bytes]`` per collective),
+        ``allocations`` and ``distinct_sizes`` (during the measured step),
+        ``shard_s``, ``warmup_s``, ``step_s`` (wall seconds).
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    gc.collect()
+    with fake_world(cfg.world, cfg.rank) as mesh:
+        model, note = build_model(cfg)
+        t0 = time.perf_counter()
+        shard_model(model, mesh, cfg.system, cfg.mp)
+        shard_s = time.perf_counter() - t0
+        n_params = sum(p.numel() for p in model.parameters())
+        facts = _layout_facts(model, cfg.system, cfg.world, cfg.rank)
+        vocab = model.config.vocab_size
+        with FakeTensorMode(allow_non_fake_inputs=True), _Propagation.patched():
+            model.to_empty(device="cpu")
+            opt = (
+                torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+                if cfg.optim == "adamw"
+                else None
+            )
+            tokens = torch.randint(0, vocab, (cfg.batch, cfg.seq + 1), device="cpu")
+
+            def step(zero: bool = True) -> None:
+                from raggedfsdp.models import lm_loss
+
+                lm_loss(model(tokens[:, :-1]), tokens[:, 1:]).backward()
+                if opt is not None:
+                    opt.step()
+                    if zero:
+                        opt.zero_grad(set_to_none=True)
+
+            t0 = time.perf_counter()
+            for _ in range(cfg.warmup):
+                step()
+            warmup_s = time.perf_counter() - t0
+            tracker = _mem_tracker()
+            tracker.track_external(model, *([opt] if opt is not None else []))
+            comms = _comm_counter(tracker)
+
+            def serials(tree) -> set[int]:
+                return set().union(*map(tracker.serial_of, _local_tensors(tree)))
+
+            sharded = serials(list(model.parameters()))
+            t0 = time.perf_counter()
+            with tracker, comms:
+                tracker.counting = True
+                step(zero=False)  # keep the .grads to know their storages
+                tracker.counting = False
+            step_s = time.perf_counter() - t0
+            grads = serials([p.grad for p in model.parameters() if p.grad is not None])
+            opt_state = serials(list(opt.state.values())) if opt is not None else set()
+            peak = next(iter(tracker.get_tracker_snapshot("peak").values()), {})
+            roles = _classify(tracker.at_peak(), sharded, grads, opt_state, comms.serials)
+            if opt is not None:
+                opt.zero_grad(set_to_none=True)
+        result = {
+            "config": dataclasses.asdict(cfg),
+            "note": note,
+            "params": n_params,
+            "layout": facts,
+            "peak": {getattr(k, "name", str(k)).lower(): int(v) for k, v in peak.items()},
+            "roles": roles,
+            "comm": {k: list(v) for k, v in comms.summary().items()},
+            "comm_events": [[e.kind, e.input_bytes, e.output_bytes] for e in comms.events],
+            "allocations": sum(tracker.alloc_sizes.values()),
+            "distinct_sizes": len(tracker.alloc_sizes),
+            "timeline": _downsample(tracker.timeline, 400),
+            "shard_s": shard_s,
+            "warmup_s": warmup_s,
+            "step_s": step_s,
+        }
+    gc.collect()
+    return result
+
+
+def _downsample(xs: list[int], n: int) -> list[int]:
+    """At most ``n`` points of ``xs``: the maximum of each of ``n`` equal runs."""
+    if len(xs) <= n:
+        return list(xs)
+    edges = [round(i * len(xs) / n) for i in range(n + 1)]
+    return [max(xs[a:b]) for a, b in zip(edges, edges[1:]) if b > a]
+
+
+def time_fully_shard(model: str, world: int, system: str = "raggedfsdp") -> dict[str, Any]:
+    """Wall time of ``fully_shard`` of the whole catalogue ``model`` (all blocks, on ``meta``)
+    over a fake process group of ``world`` ranks, and what it keeps (Python objects)."""
+    cfg = SimConfig(model=model, world=world, layers=None, system=system, ac=False, seq=16)
+    gc.collect()
+    with fake_world(world) as mesh:
+        m, note = build_model(cfg)
+        gc.collect()
+        before = len(gc.get_objects())
+        t0 = time.perf_counter()
+        shard_model(m, mesh, system, "bf16")
+        seconds = time.perf_counter() - t0
+        gc.collect()
+        objects = len(gc.get_objects()) - before
+        blocks = len(m.layers)
+        del m
+    gc.collect()
+    return {
+        "model": model,
+        "world": world,
+        "system": system,
+        "blocks": blocks,
+        "note": note,
+        "seconds": seconds,
+        "gc_objects": objects,
+    }
+
+
+# ================================================================================================
+# Command line
+# ================================================================================================
+def _mib(n: float) -> str:
+    return f"{n / 2**20:,.1f}"
+
+
+def format_result(r: dict[str, Any]) -> str:
+    """A human-readable report of one ``simulate`` result."""
+    c = r["config"]
+    lines = [
+        f"{c['system']}: {c['model']} ({c['layers']} blocks, {r['params']:,} params), "
+        f"rank {c['rank']} of {c['world']}, batch {c['batch']} x {c['seq']}, mp {c['mp']}, "
+        f"optim {c['optim']}, AC {'on' if c['ac'] else 'off'}"
+        + (f"  [{r['note']}]" if r["note"] else ""),
+        f"  peak {_mib(r['peak'].get('total', 0))} MiB; MemTracker: "
+        + ", ".join(f"{k} {_mib(v)}" for k, v in r["peak"].items() if k != "total" and v),
+        "  by role: " + ", ".join(f"{k} {_mib(v)}" for k, v in r["roles"].items() if v),
+        "  collectives: "
+        + ", ".join(
+            f"{k} {n}x in {_mib(i)} out {_mib(o)} MiB" for k, (n, i, o) in r["comm"].items()
+        ),
+        f"  padding {r['layout']['padding_elems']:,} elements; allocations {r['allocations']} "
+        f"({r['distinct_sizes']} distinct sizes)",
+        f"  fully_shard {r['shard_s']:.2f} s, warm-up {r['warmup_s']:.2f} s, "
+        f"measured step {r['step_s']:.2f} s",
+    ]
+    return "\n".join(lines)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m raggedfsdp simulate",
+        description="One rank of an N-rank training step on fake tensors: peak memory by "
+        "category, collectives, allocations (see raggedfsdp/simulate.py).",
+    )
+    p.add_argument("--model", required=True, help="a catalogue model name")
+    p.add_argument("--world", type=int, default=64, help="ranks (default 64)")
+    p.add_argument("--layers", type=int, default=2, help="transformer blocks (default 2)")
+    p.add_argument("--system", choices=(*SYSTEMS, "both"), default="both")
+    p.add_argument("--optim", choices=("adamw", "none"), default="adamw")
+    p.add_argument("--mp", choices=("bf16", "fp32"), default="bf16")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--seq", type=int, default=4096)
+    p.add_argument("--ac", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--rank", type=int, default=0)
+    p.add_argument("--warmup", type=int, default=1, help="unmeasured steps first (default 1)")
+    p.add_argument("--time-shard", action="store_true", help="time fully_shard of all blocks")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    systems = SYSTEMS if args.system == "both" else (args.system,)
+    if args.time_shard:
+        results: list[dict[str, Any]] = [
+            time_fully_shard(args.model, args.world, s) for s in systems
+        ]
+        for r in results:
+            if not args.json:
+                print(
+                    f"{r['system']}: fully_shard of {r['model']} ({r['blocks']} blocks) at "
+                    f"{r['world']} ranks: {r['seconds']:.2f} s, {r['gc_objects']:,} objects kept"
+                )
+    else:
+        results = []
+        for s in systems:
+            cfg = SimConfig(
+                model=args.model,
+                world=args.world,
+                layers=args.layers,
+                system=s,
+                optim=args.optim,
+                mp=args.mp,
+                batch=args.batch,
+                seq=args.seq,
+                ac=args.ac,
+                rank=args.rank,
+                warmup=args.warmup,
+            )
+            results.append(simulate(cfg))
+            if not args.json:
+                print(format_result(results[-1]), flush=True)
+        if len(results) == 2 and not args.json:
+            a, b = (r["peak"].get("total", 0) for r in results)
+            print(f"peak raggedfsdp / FSDP2: {a / b:.3f}" if b else "")
+    if args.json:
+        for r in results:
+            r.pop("timeline", None)
+        print(json.dumps(results if len(results) > 1 else results[0]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
