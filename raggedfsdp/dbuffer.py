@@ -22,11 +22,12 @@ global buffer of ``m * S`` elements, rank k owning ``[k * S, (k + 1) * S)``::
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 
 from raggedfsdp._collectives import all_gather_single, reduce_scatter_single
-from raggedfsdp.placement import RaggedShard
 from raggedfsdp.planner import BufferLayout
 
 __all__ = ["DBuffer", "FlatStorage"]
@@ -109,8 +110,10 @@ class DBuffer:
     # ---- views ----------------------------------------------------------------------------
     def _local_view(self, flat: torch.Tensor, name: str) -> torch.Tensor:
         start, stop = self.layout.shard_range(name, self.rank)
-        placement = RaggedShard.from_layout(self.layout, name)
-        shape = placement.local_shape(self.layout[name].shape, self.rank)
+        lo, hi = self.layout.local_range(name, self.rank)
+        full = self.layout[name].shape
+        rest = full[-1:] if len(full) > 1 else ()  # RaggedShard rows: every dim but the last
+        shape = ((hi - lo) // math.prod(rest), *rest)  # = RaggedShard.local_shape(full, rank)
         return flat[start:stop].view(shape)
 
     def shard_view(self, name: str) -> torch.Tensor:

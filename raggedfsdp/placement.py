@@ -50,7 +50,7 @@ class RaggedShard(Placement):
     def __init__(self, dims: Sequence[int] = (0,), local_units: Sequence[int] = ()):
         super().__init__()
         dims = tuple(int(d) for d in dims)
-        units = tuple(int(u) for u in local_units)
+        units = tuple(map(int, local_units))
         if not dims or dims != tuple(range(len(dims))):
             raise ValueError(
                 f"RaggedShard: dims must be a prefix (0,), (0, 1), ... of the tensor's dims, "
@@ -61,9 +61,8 @@ class RaggedShard(Placement):
                 "RaggedShard: local_units must give one block count per rank of the mesh axis, "
                 "got an empty tuple"
             )
-        negative = [(r, u) for r, u in enumerate(units) if u < 0]
-        if negative:
-            r, u = negative[0]
+        if units and min(units) < 0:
+            r, u = next((r, u) for r, u in enumerate(units) if u < 0)
             raise ValueError(
                 f"RaggedShard: local_units must be >= 0, got {u} for rank {r} in {units}"
             )
