@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.fsdp as torch_fsdp
 from torch import nn
-from torch.distributed.tensor import Shard, init_device_mesh
+from torch.distributed.tensor import Replicate, Shard, init_device_mesh
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     RowwiseParallel,
@@ -274,3 +274,42 @@ def _references():
 def test_fsdp_x_tp():
     with tempfile.TemporaryDirectory() as root:
         spawn(WORLD, _grid, _references(), root, timeout=600)
+
+
+def _check_hsdp_x_tp(rank, world, ref):
+    """HSDP x TP: (replicate 2, shard 2, tp 2) on 8 ranks, the sharded parameters on the
+    (tp, replicate, shard) mesh; losses and parameters equal one process's."""
+    mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("replicate", "shard", "tp"))
+    dp_mesh = mesh["replicate", "shard"]
+    model = Transformer(_config("llama-tiny"), max_seq_len=SEQ, seed=0)
+    for block in model.transformer_blocks():
+        parallelize_module(block, mesh["tp"], _plan("llama-tiny"))
+        raggedfsdp.fully_shard(block, mesh=dp_mesh)
+    raggedfsdp.fully_shard(model, mesh=dp_mesh)
+    w = model.layers[0].feed_forward.w2.weight
+    assert w.device_mesh.mesh_dim_names == ("tp", "replicate", "shard")
+    assert w.placements[:2] == (Shard(1), Replicate())
+    opt = torch.optim.SGD(model.parameters(), lr=0.3)
+    dp = dp_mesh.get_local_rank(0) * 2 + dp_mesh.get_local_rank(1)
+    losses = []
+    for step in range(2):
+        rows = _data()[step][dp : dp + 1]
+        loss = lm_loss(model(rows[:, :-1]), rows[:, 1:])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        loss = loss.detach()
+        for i in range(2):
+            dist.all_reduce(loss, group=dp_mesh.get_group(i))
+        losses.append(float(loss) / 4)
+    ref_losses, ref_params = ref
+    assert all(abs(a - b) <= 1e-5 for a, b in zip(losses, ref_losses)), (losses, ref_losses)
+    full = _full(model)
+    for k, v in ref_params.items():
+        torch.testing.assert_close(full[k], v, rtol=0, atol=1e-5, msg=k)
+
+
+def test_hsdp_x_tp_on_8_ranks():
+    model = _model("llama-tiny", None, None)
+    losses, _, _ = _train(model, None, "sgd", None, steps=range(2))
+    spawn(8, _check_hsdp_x_tp, (losses, _full(model)), timeout=600)
