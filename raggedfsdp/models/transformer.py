@@ -38,8 +38,10 @@ import hashlib
 import math
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from raggedfsdp.models.catalogue import TransformerConfig
 
@@ -196,12 +198,80 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x: Tensor, counts: list[int]) -> Tensor:
         """``x`` (N, D) sorted by expert, ``counts[e]`` rows for expert e; returns (N, D)."""
+        if isinstance(self.w1, DTensor):  # sharded over an ep mesh: see expert_parallel()
+            return _ep_experts(self, x, counts)
         outs = []
         for xe, w1, w2, w3 in zip(
             torch.split(x, counts), self.w1.unbind(0), self.w2.unbind(0), self.w3.unbind(0)
         ):
             outs.append(F.linear(F.silu(F.linear(xe, w1)) * F.linear(xe, w3), w2))
         return torch.cat(outs)
+
+
+def expert_parallel(moe: MoE, ep_mesh) -> None:
+    """Shard ``moe``'s stacked experts ``Shard(0)`` over the 1-D ``ep_mesh`` (in place).
+
+    [Note: expert parallelism] Rank ``r`` of ``ep_mesh`` keeps experts
+    ``[r E / ep, (r + 1) E / ep)``; ``forward`` then sends each token (one row per
+    routing assignment, sorted by expert) to the rank holding its expert with one
+    all-to-all, runs the local experts on what it received, and returns the results
+    with a second all-to-all (both differentiable). The router and the rest of the
+    model stay replicated. Every rank of ``ep_mesh`` must run forward together. With
+    ``fully_shard(moe.experts, mesh=...)`` over the data-parallel ranks outside
+    ``ep_mesh`` and ``fully_shard`` of the block over all data-parallel ranks, the
+    experts' gradients sum the tokens of every ep rank, so divide them by the whole
+    data-parallel size (``set_gradient_divide_factor``) for the single-process mean.
+    """
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    e = moe.experts
+    if e.n_experts % ep_mesh.size():
+        raise ValueError(
+            f"expert_parallel: {e.n_experts} experts do not split evenly over {ep_mesh.size()} "
+            "ep ranks; choose an ep size that divides the expert count"
+        )
+    for name in ("w1", "w2", "w3"):
+        param = getattr(e, name)
+        sharded = distribute_tensor(param.detach(), ep_mesh, [Shard(0)], src_data_rank=None)
+        setattr(e, name, nn.Parameter(sharded, requires_grad=param.requires_grad))
+
+
+def _ep_experts(experts: GroupedExperts, x: Tensor, counts: list[int]) -> Tensor:
+    """``experts(x, counts)`` with the experts sharded over an ep mesh: see
+    [Note: expert parallelism]. ``x`` (N, D) is sorted by expert, ``counts`` has E entries."""
+    from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
+
+    mesh = experts.w1.device_mesh
+    group, ep = mesh.get_group(0), mesh.size(0)
+    local = experts.n_experts // ep
+    send = torch.tensor(counts, dtype=torch.int64, device=x.device).view(ep, local)
+    recv = torch.empty_like(send)  # recv[src, e]: rows from rank src for my expert e
+    dist.all_to_all_single(recv, send, group=group)
+    recv_counts = recv.tolist()
+    send_rows = send.sum(dim=1).tolist()
+    recv_rows = [sum(row) for row in recv_counts]
+    got = wait_tensor(all_to_all_single_autograd(x.contiguous(), recv_rows, send_rows, group))
+    # got: by source rank, then expert
+    # Regroup by local expert: for each expert, its rows from every source in rank order.
+    starts, pos = [], 0
+    for row in recv_counts:
+        starts.append([pos + sum(row[:e]) for e in range(local)])
+        pos += sum(row)
+    index = [
+        i
+        for e in range(local)
+        for src in range(ep)
+        for i in range(starts[src][e], starts[src][e] + recv_counts[src][e])
+    ]
+    perm = torch.tensor(index, dtype=torch.int64, device=x.device)
+    per_expert = [sum(recv_counts[src][e] for src in range(ep)) for e in range(local)]
+    outs = []
+    w1, w2, w3 = (getattr(experts, n).to_local() for n in ("w1", "w2", "w3"))
+    for xe, a, b, c in zip(torch.split(got[perm], per_expert), w1, w2, w3):
+        outs.append(F.linear(F.silu(F.linear(xe, a)) * F.linear(xe, c), b))
+    done = torch.cat(outs)[torch.argsort(perm)]  # back to source order
+    back = all_to_all_single_autograd(done.contiguous(), send_rows, recv_rows, group)
+    return wait_tensor(back)  # (N, D), in x's order
 
 
 class MoE(nn.Module):
