@@ -30,7 +30,7 @@ from raggedfsdp import RaggedShard, checkpoint
 from raggedfsdp.fsdp import buffers_of
 from raggedfsdp.models import get_config
 from raggedfsdp.models.transformer import Transformer, lm_loss
-from raggedfsdp.profiling import CommCounter
+from raggedfsdp.profiling import CommCounter, CopyCounter, buffer_storages
 from tests.harness import run_cases, spawn
 
 SEQ, STEPS, WORLD = 16, 6, 4
@@ -173,6 +173,22 @@ def _check_bytes(name, rank):
     assert abs(rs / counted["fsdp2"]["reduce_scatter"].input_bytes - 1) <= 0.01
 
 
+def _check_zero_copy(name, rank):
+    """fp32 FSDP x TP: no copy reads or writes the buffers around the collectives (the
+    gradients of the TP DTensors accumulate into their views in place)."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    model = _model(name, mesh, raggedfsdp.fully_shard)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(2):  # the second step: forward order recorded, state made
+        x = _data()[step][:2]
+        with CopyCounter() as copies:
+            lm_loss(model(x[:, :-1]), x[:, 1:]).backward()
+            opt.step()
+            opt.zero_grad()
+    near = [e for e in copies.touching(buffer_storages(model)) if e.within is None]
+    assert near == [], copies.summary(near)
+
+
 def _check_checkpoint(name, rank, root):
     """Save on (dp 2, tp 2) after 3 steps; load on 4-rank FSDP; the next steps' losses
     equal the uninterrupted (dp 2, tp 2) run's."""
@@ -254,6 +270,7 @@ def _grid(rank, world, refs, root):
                 for o in ("sgd", "adamw")
             },
             "bytes llama": partial(_check_bytes, "llama-tiny", rank),
+            "zero copies llama": partial(_check_zero_copy, "llama-tiny", rank),
             "checkpoint (dp2, tp2) -> dp4": partial(_check_checkpoint, "llama-tiny", rank, root),
             "errors": partial(_check_errors, rank),
         }
