@@ -3,9 +3,29 @@
 An error found inside the ranks costs 10-20 s and prints three tracebacks; found here,
 it is one line and nothing is written (``_cli`` turns the ``ValueError`` into a usage
 error). What is checked: the launch (ranks, nodes, rendezvous), each number's range,
-the data (readable text, long enough for a sequence in each split that is used), the
-block size against the model's shapes (``_policy.check_block_rows``) and the run
-folder (``_rundir.check_out``: ownership, ``--resume``).
+the mesh (``parse_train_mesh``: its dims, their product, the model's heads and experts
+against them), the data (readable text, long enough for a sequence in each split that
+is used), the block size against the model's shapes (``_policy.check_block_rows``) and
+the run folder (``_rundir.check_out``: ownership, ``--resume``).
+
+[Note: train meshes]
+``--mesh`` names the dims of the device mesh the ranks build; every form but the
+default is a product of exactly the job's ranks (W), row-major, ``tp`` / ``ep`` last:
+
+    --mesh                       device mesh (dim names)              fully_shard mesh
+    (none)                       (W,)                                 all W ranks
+    replicate=R,shard=S          (R, S) ("replicate", "shard")        the whole (R, S)
+    replicate=R,shard=S,tp=T     (R, S, T) + "tp"                     ["replicate", "shard"]
+    [dp=D,]tp=T                  (D, T) ("dp", "tp"); D = W / T       ["dp"]
+    [dp=W,]ep=E                  (W / E, E) ("dp_mod_ep", "ep")       experts: ["dp_mod_ep"];
+                                                                      the rest: the flattened dp
+
+Tensor parallel (``tp``) splits each block's attention (and a dense block's feed-forward)
+column- then row-wise over T ranks that see the same rows of the batch, so the
+data-parallel ranks are ``W / T`` and rank ``r`` reads the rows of data rank ``r // T``.
+Expert parallel (``ep``) splits each MoE layer's stacked experts over E ranks that
+exchange tokens; every rank is a data-parallel rank (under ep, ``dp`` counts all of them,
+as torchtitan's ``dp_shard``). ``tp`` with ``ep`` and HSDP with ``ep`` are not supported yet.
 """
 
 from __future__ import annotations
@@ -13,11 +33,181 @@ from __future__ import annotations
 import importlib.util
 import math
 import re
+from dataclasses import dataclass
 
-__all__ = ["check_args"]
+__all__ = ["MeshSpec", "check_args", "parse_train_mesh"]
 
 TRAIN_MODELS = ("llama-tiny", "llama-tiny-tied", "llama-small", "moe-tiny", "moe-small")
 _ENDPOINT = re.compile(r"^[A-Za-z0-9_.\-\[\]:]+:\d{1,5}$")
+
+
+_MESH_EXAMPLE = "e.g. --mesh replicate=2,shard=2, --mesh dp=2,tp=2 or --mesh ep=2"
+_MESH_DIMS = ("replicate", "shard", "dp", "tp", "ep")
+_FUTURE_DIMS = {"cp": "context parallel", "pp": "pipeline parallel"}
+# optimizers that run on TP / EP parameters (Muon and the flat optimizers plan over one
+# 1-D or (replicate, shard) mesh)
+TP_EP_OPTIMIZERS = ("adamw", "sgd")
+
+
+@dataclass(frozen=True, kw_only=True)
+class MeshSpec:
+    """The device mesh of ``--mesh``: a frozen value that checks itself. See [Note: train meshes].
+
+    Args:
+        world: the job's ranks (W).
+        replicate: replicas under HSDP; None: no replicate dim. Default None.
+        tp: tensor-parallel ranks (T). Default 1.
+        ep: expert-parallel ranks (E). Default 1.
+
+    Raises:
+        ValueError: sizes whose product is not ``world``.
+        NotImplementedError: ``tp`` with ``ep``, or HSDP with ``ep``.
+    """
+
+    world: int
+    replicate: int | None = None
+    tp: int = 1
+    ep: int = 1
+
+    def __post_init__(self) -> None:
+        if self.tp > 1 and self.ep > 1:
+            raise NotImplementedError(
+                f"--mesh with tp={self.tp} and ep={self.ep}: tensor and expert parallel "
+                "together are not supported yet; pass one of them"
+            )
+        if self.ep > 1 and self.replicate is not None:
+            raise NotImplementedError(
+                f"--mesh with ep={self.ep} and replicate={self.replicate}: HSDP x EP is not "
+                f"supported yet; pass ep={self.ep} alone (dp = all {self.world} ranks)"
+            )
+        for name, size in (("tp", self.tp), ("ep", self.ep)):
+            if self.world % size:
+                raise ValueError(
+                    f"--mesh {name}={size} does not divide the job's {self.world} ranks; pick a "
+                    f"{name} size that divides them"
+                )
+        if self.replicate is not None and self.data_ranks % self.replicate:
+            raise ValueError(
+                f"--mesh replicate={self.replicate} does not divide the {self.data_ranks} "
+                "data-parallel ranks"
+            )
+
+    @property
+    def data_ranks(self) -> int:
+        """Ranks that read different rows of the batch (``W / T``)."""
+        return self.world // self.tp
+
+    def data_rank(self, rank: int) -> int:
+        """The data-parallel index of global ``rank`` (tp is the mesh's last dim)."""
+        return rank // self.tp
+
+    @property
+    def shard(self) -> int:
+        """Ranks a block's buffer is sharded over (the shard dim's size)."""
+        dp = self.data_ranks
+        return dp // self.replicate if self.replicate is not None else dp
+
+    @property
+    def dims(self) -> dict[str, int] | None:
+        """The device mesh's dims and sizes, in order; None: the unnamed 1-D mesh."""
+        if self.replicate is not None:
+            hsdp = {"replicate": self.replicate, "shard": self.shard}
+            return hsdp | ({"tp": self.tp} if self.tp > 1 else {})
+        if self.tp > 1:
+            return {"dp": self.data_ranks, "tp": self.tp}
+        if self.ep > 1:
+            return {"dp_mod_ep": self.world // self.ep, "ep": self.ep}
+        return None
+
+    @property
+    def text(self) -> str | None:
+        """The canonical ``--mesh`` (None: the 1-D default), as ``summary.json`` records it."""
+        if self.replicate is not None:
+            tp = f",tp={self.tp}" if self.tp > 1 else ""
+            return f"replicate={self.replicate},shard={self.shard}{tp}"
+        if self.tp > 1:
+            return f"dp={self.data_ranks},tp={self.tp}"
+        if self.ep > 1:
+            return f"dp={self.world},ep={self.ep}"
+        return None
+
+
+def parse_train_mesh(text: str | None, world: int) -> MeshSpec:
+    """``--mesh`` as a ``MeshSpec`` over ``world`` ranks. See [Note: train meshes].
+
+    Args:
+        text: comma-separated ``name=size`` pairs (``replicate``, ``shard``, ``dp``,
+            ``tp``, ``ep``), each once, in any order; None: the 1-D mesh.
+        world: the job's ranks.
+
+    Raises:
+        ValueError: a malformed pair, a size that is not an int >= 1, an unknown or
+            repeated dim, replicate without shard (or the reverse), dp with HSDP dims,
+            sizes whose product is not ``world``.
+        NotImplementedError: a cp / pp dim, tp with ep, HSDP with ep.
+    """
+    if text is None:
+        return MeshSpec(world=world)
+    sizes: dict[str, int] = {}
+    for pair in text.split(","):
+        name, eq, size = (part.strip() for part in pair.partition("="))
+        if not eq or not name:
+            raise ValueError(
+                f"--mesh {text!r}: expected name=size pairs separated by commas, got "
+                f"{pair!r}; {_MESH_EXAMPLE}"
+            )
+        if name in _FUTURE_DIMS:
+            raise NotImplementedError(
+                f"--mesh {text!r}: the {name!r} dim ({_FUTURE_DIMS[name]}) is not supported "
+                "yet; train takes replicate, shard, dp, tp and ep"
+            )
+        if name not in _MESH_DIMS:
+            raise ValueError(
+                f"--mesh {text!r}: unknown dim {name!r}; expected some of "
+                f"{', '.join(_MESH_DIMS)}, {_MESH_EXAMPLE}"
+            )
+        if name in sizes:
+            raise ValueError(f"--mesh {text!r}: {name!r} is given twice; give it once")
+        if not size.isdigit() or int(size) < 1:
+            raise ValueError(
+                f"--mesh {text!r}: the size of {name!r} must be an int >= 1, got {size!r}"
+            )
+        sizes[name] = int(size)
+    hsdp = [name for name in ("replicate", "shard") if name in sizes]
+    if hsdp and "dp" in sizes:
+        raise ValueError(
+            f"--mesh {text!r}: dp and {hsdp[0]} both name the data-parallel ranks; give "
+            "dp=D (FSDP) or replicate=R,shard=S (HSDP), not both"
+        )
+    if len(hsdp) == 1:
+        missing = "shard" if hsdp[0] == "replicate" else "replicate"
+        raise ValueError(
+            f"--mesh {text!r}: the {missing!r} dim is missing; give both, "
+            "e.g. --mesh replicate=2,shard=2 (replicate=1 is plain FSDP)"
+        )
+    tp, ep = sizes.get("tp", 1), sizes.get("ep", 1)
+    spec = MeshSpec(world=world, replicate=sizes.get("replicate"), tp=tp, ep=ep)
+    if hsdp:
+        r, s = sizes["replicate"], sizes["shard"]
+        if r * s * tp != world:
+            t = f" x {tp}" if tp > 1 else ""
+            raise ValueError(
+                f"--mesh {text} has {r} x {s}{t} = {r * s * tp} ranks, but the job has "
+                f"{world}; make {'R x S x T' if t else 'R x S'} equal the number of ranks"
+            )
+    elif "dp" in sizes:
+        dp, want = sizes["dp"], world // tp if ep == 1 else world
+        if dp != want:
+            what = f"dp x tp = {dp * tp}" if ep == 1 else f"dp = {dp} (under ep, every rank)"
+            raise ValueError(
+                f"--mesh {text}: {what}, but the job has {world} ranks; "
+                + (
+                    f"make dp x tp equal the number of ranks (or leave dp out: {world} / tp)"
+                    if ep == 1
+                    else f"pass dp={world} or leave dp out"
+                )
+            )
+    return spec
 
 
 def _flag(name: str) -> str:
@@ -63,13 +253,19 @@ def _check_launch(args) -> int:
     return args.nproc * nnodes
 
 
-def _check_numbers(args, world: int) -> None:
+def _check_numbers(args, world: int, mesh: MeshSpec) -> None:
     _at_least(args, 1, "steps", "seq_len", "batch_size", "val_batches", "keep_last")
     _at_least(args, 0, "warmup", "val_every", "ckpt_every", "stop_after")
     _finite_at_least_zero(args, "lr", "weight_decay", "clip")
     if not math.isfinite(args.timeout) or args.timeout <= 0:
         raise ValueError(f"train: --timeout must be a number of seconds > 0, got {args.timeout}")
-    if args.batch_size % world:
+    if mesh.tp > 1 and args.batch_size % mesh.data_ranks:
+        raise ValueError(
+            f"train: --batch-size {args.batch_size} is not divisible by the "
+            f"{mesh.data_ranks} data-parallel ranks of --mesh {mesh.text} (tp ranks share "
+            f"rows); use a multiple of {mesh.data_ranks}"
+        )
+    if mesh.tp == 1 and args.batch_size % world:
         raise ValueError(
             f"train: --batch-size {args.batch_size} is not divisible by the world size {world} "
             f"(--nproc {args.nproc} x --nnodes {args.nnodes}); use a multiple of {world}"
@@ -135,7 +331,51 @@ def _check_data(args):
     return corpus
 
 
-def _check_model(args, world: int) -> None:
+def _check_mesh(args, mesh: MeshSpec) -> None:
+    """What ``--mesh`` needs of the model and the other arguments."""
+    from raggedfsdp.models import get_config
+
+    config = get_config(args.model)
+    where = f"--mesh {args.mesh}"
+    if mesh.dims is not None and args.reshard_after_forward.isdigit():
+        raise NotImplementedError(
+            f"--reshard-after-forward {args.reshard_after_forward} with {where} is not "
+            "supported yet (an int reshards to a smaller group on a 1-D mesh only); pass "
+            "auto, true or false"
+        )
+    if (mesh.tp > 1 or mesh.ep > 1) and args.optim not in TP_EP_OPTIMIZERS:
+        raise NotImplementedError(
+            f"--optim {args.optim} with {where} is not supported yet (it plans over a 1-D or "
+            f"(replicate, shard) mesh); pass --optim {' or '.join(TP_EP_OPTIMIZERS)}"
+        )
+    if mesh.tp > 1:
+        heads = (config.n_heads, config.n_kv_heads)
+        if any(h % mesh.tp for h in heads) or config.attention != "gqa":
+            raise ValueError(
+                f"{where}: {args.model} has {heads[0]} query and {heads[1]} key/value heads "
+                f"({config.attention} attention), which do not split over tp={mesh.tp}; tensor "
+                "parallel splits whole heads: pick a tp that divides both, or a model whose "
+                "heads it divides (llama-small, moe-small: 6 and 2)"
+            )
+        if config.ffn_dim % mesh.tp:
+            raise ValueError(
+                f"{where}: the feed-forward's {config.ffn_dim} hidden rows of {args.model} do "
+                f"not split over tp={mesh.tp}; pick a tp that divides them"
+            )
+    if mesh.ep > 1:
+        if not config.n_experts:
+            raise ValueError(
+                f"{where}: {args.model} is dense (no experts to split over ep); expert "
+                "parallel needs an MoE model (moe-tiny, moe-small)"
+            )
+        if config.n_experts % mesh.ep:
+            raise ValueError(
+                f"{where}: the {config.n_experts} experts of {args.model} do not split evenly "
+                f"over ep={mesh.ep}; pick an ep that divides the expert count"
+            )
+
+
+def _check_model(args, mesh: MeshSpec) -> None:
     """The block size against the model's shapes, on a model without storage."""
     import torch
 
@@ -147,11 +387,18 @@ def _check_model(args, world: int) -> None:
         return
     with torch.device("meta"):
         model = Transformer(get_config(args.model), max_seq_len=args.seq_len, seed=args.seed)
-    check_block_rows(args, model, world)
+    if mesh.tp > 1 and args.block_rows != "1":  # blocks are cut from the TP-local rows
+        raise NotImplementedError(
+            f"train: --block-rows {args.block_rows} with --mesh {args.mesh} is not supported "
+            "yet (blocks of TP-local rows are not checked before the ranks start); pass "
+            "--block-rows 1"
+        )
+    check_block_rows(args, model, mesh.shard)
 
 
 def check_args(args) -> tuple[int, str]:
-    """Raise ValueError for arguments that would fail inside the ranks; read-only.
+    """Raise ValueError (NotImplementedError: a valid but unsupported mesh) for arguments
+    that would fail inside the ranks; read-only.
 
     Returns:
         ``(start, digest)``: the step the job starts at (0, or the checkpoint's on
@@ -164,10 +411,22 @@ def check_args(args) -> tuple[int, str]:
         hint = " (a catalogue shape, too big to train here)" if args.model in CATALOGUE else ""
         raise ValueError(f"train: unknown --model {args.model!r}{hint}; choose one of {known}")
     world = _check_launch(args)
-    _check_numbers(args, world)
+    try:
+        mesh = parse_train_mesh(args.mesh, world)
+    except ValueError as e:
+        raise ValueError(f"train: {e}") from None
+    except NotImplementedError as e:
+        raise NotImplementedError(f"train: {e}") from None
+    _check_numbers(args, world, mesh)
+    try:
+        _check_mesh(args, mesh)
+    except ValueError as e:
+        raise ValueError(f"train: {e}") from None
+    except NotImplementedError as e:
+        raise NotImplementedError(f"train: {e}") from None
     _check_packages(args)
     corpus = _check_data(args)
-    _check_model(args, world)
+    _check_model(args, mesh)
     from raggedfsdp.train._rundir import check_out, data_digest
 
     digest = data_digest(corpus)

@@ -18,7 +18,6 @@ import os
 import sys
 from pathlib import Path
 
-from raggedfsdp.planner._cli import parse_mesh
 from raggedfsdp.train._checks import TRAIN_MODELS, check_args
 
 BACKENDS = ("raggedfsdp", "fsdp2")
@@ -47,9 +46,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--mesh",
         default=None,
-        help="HSDP: replicate=R,shard=S (R x S = the ranks) shards every group over the S "
-        "ranks of a shard group and all-reduces the shard gradients over the R replicas; "
-        "default: a 1-D mesh of all ranks (plain FSDP). tp=, ep= are not supported yet",
+        help="the device mesh, its sizes' product the ranks W (default: a 1-D mesh of all "
+        "ranks, plain FSDP). HSDP: replicate=R,shard=S shards every group over the S ranks of "
+        "a shard group and all-reduces the shard gradients over the R replicas. FSDP x TP: "
+        "tp=T or dp=D,tp=T (D = W / T; leave dp out to imply it) splits attention heads (and "
+        "dense feed-forwards) over T ranks that read the same rows, FSDP over the D others; "
+        "replicate=R,shard=S,tp=T is HSDP x TP. FSDP x EP (MoE models): ep=E or dp=W,ep=E "
+        "splits each MoE layer's experts over E ranks (every rank reads its own rows; dp "
+        "counts all W ranks) and shards them over the W / E others. tp with ep, and HSDP "
+        "with ep, are not supported yet",
     )
     g = p.add_argument_group("launch")
     g.add_argument("--nproc", type=int, default=4, help="ranks on this machine")
@@ -109,44 +114,11 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def check_mesh(args) -> tuple[int, int] | None:
-    """``--mesh`` as ``(R, S)`` (None: a 1-D mesh); raise on one the ranks cannot build.
-
-    Raises:
-        ValueError: a malformed ``--mesh``, ``R x S`` other than the number of ranks.
-        NotImplementedError: a ``tp=`` / ``ep=`` dim, or an int ``--reshard-after-forward``
-            (``fully_shard`` reshards to a smaller group on a 1-D mesh only).
-    """
-    if args.mesh is None:
-        return None
-    try:
-        replicate, shard = parse_mesh(args.mesh)
-    except ValueError as e:
-        raise ValueError(f"train: {e}") from None
-    except NotImplementedError as e:
-        raise NotImplementedError(f"train: {e}") from None
-    world = args.nproc * int(args.nnodes)
-    if replicate * shard != world:
-        raise ValueError(
-            f"train: --mesh {args.mesh} has {replicate} x {shard} = {replicate * shard} ranks, "
-            f"but the job has {world} (--nproc {args.nproc} x --nnodes {args.nnodes}); make "
-            "R x S equal the number of ranks"
-        )
-    if args.reshard_after_forward.isdigit():
-        raise NotImplementedError(
-            f"train: --reshard-after-forward {args.reshard_after_forward} with --mesh (HSDP) is "
-            "not supported yet (an int reshards to a smaller group on a 1-D mesh only); pass "
-            "auto, true or false"
-        )
-    return replicate, shard
-
-
 def main(argv: list[str]) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
         _, digest = check_args(args)
-        check_mesh(args)
     except (ValueError, NotImplementedError) as e:
         parser.error(str(e))
     from raggedfsdp.train._rundir import OutLock, check_out, prepare

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import os
 import statistics
@@ -34,10 +35,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import distributed_c10d
 from torch.distributed.tensor import DTensor, init_device_mesh
+from torch.distributed.tensor.parallel import parallelize_module
 
 from raggedfsdp.models import get_config
-from raggedfsdp.models.transformer import Transformer, lm_loss
+from raggedfsdp.models.transformer import Transformer, expert_parallel, lm_loss
 from raggedfsdp.profiling import measure_step
+from raggedfsdp.train._checks import MeshSpec, parse_train_mesh
 from raggedfsdp.train._guard import (
     ARGS_ENV,
     TrainError,
@@ -52,35 +55,82 @@ from raggedfsdp.train.data import DataConfig, get_batch, load_corpus
 from raggedfsdp.train.report import plot_losses
 
 
-def _mesh(args, world: int):
-    """A 1-D mesh of every rank, or the ``(replicate, shard)`` HSDP mesh of ``--mesh``."""
-    if args.mesh is None:
-        return init_device_mesh("cpu", (world,))
-    from raggedfsdp.planner._cli import parse_mesh
-
-    replicate, shard = parse_mesh(args.mesh)  # checked by the launcher: R x S = world
-    return init_device_mesh("cpu", (replicate, shard), mesh_dim_names=("replicate", "shard"))
+def _mesh(spec: MeshSpec):
+    """The device mesh of ``--mesh`` (see [Note: train meshes] in ``_checks``)."""
+    if spec.dims is None:
+        return init_device_mesh("cpu", (spec.world,))
+    dims = spec.dims
+    return init_device_mesh("cpu", tuple(dims.values()), mesh_dim_names=tuple(dims))
 
 
-def _shard(model: Transformer, args, mesh) -> None:
+def _tp_plan(block) -> dict:
+    """Column- then row-wise splits of a block's attention (and dense feed-forward):
+    each tp rank computes whole heads (hidden rows); the MoE experts stay whole."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    plan = {f"attention.{w}": ColwiseParallel() for w in ("wq", "wk", "wv")}
+    plan["attention.wo"] = RowwiseParallel()
+    if not block.is_moe:
+        plan |= {f"feed_forward.{w}": ColwiseParallel() for w in ("w1", "w3")}
+        plan["feed_forward.w2"] = RowwiseParallel()
+    return plan
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    return p.to_local() if isinstance(p, DTensor) else p
+
+
+def _shard(model: Transformer, args, spec: MeshSpec, mesh) -> dict[str, tuple]:
+    """Parallelize (tp, ep) and ``fully_shard`` every block, then the root, in place.
+
+    Returns:
+        ``{fqn: (shape, ranks)}``: each parameter's tensor as ``fully_shard`` splits it (the
+        TP- / EP-local one) and the ranks of its shard group (``padding_ratio``'s input).
+    """
     raf = args.reshard_after_forward.lower()
     raf = {"auto": None, "true": True, "false": False}[raf] if not raf.isdigit() else int(raf)
+    if spec.tp > 1:
+        fsdp_mesh = mesh["replicate", "shard"] if spec.replicate is not None else mesh["dp"]
+    elif spec.ep > 1:
+        fsdp_mesh = mesh._flatten("dp")  # all ranks (torchtitan's dp_shard)
+    else:
+        fsdp_mesh = mesh
     if args.backend == "fsdp2":
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        kw = dict(mesh=mesh, reshard_after_forward=raf)
+        kw = dict(reshard_after_forward=raf)
     else:
         from raggedfsdp import MixedPrecisionPolicy, fully_shard
 
-        policy = block_policy(args, model, mesh.size(-1))  # the shard group's ranks
-        kw = dict(mesh=mesh, reshard_after_forward=raf, block_policy=policy)
+        policy = block_policy(args, model, spec.shard)  # the shard group's ranks
+        kw = dict(reshard_after_forward=raf, block_policy=policy)
     if args.bf16:
         kw["mp_policy"] = MixedPrecisionPolicy(
             param_dtype=torch.bfloat16, reduce_dtype=torch.float32
         )
+    names = {m: n for n, m in model.named_modules()}
+    split: dict[str, tuple] = {}
+
+    def shard(module: nn.Module, on) -> None:
+        prefix = names[module] + "." if names[module] else ""
+        for name, p in model.named_parameters():
+            if name.startswith(prefix) and name not in split:
+                split[name] = (tuple(_local(p).shape), on.size(-1))
+        fully_shard(module, mesh=on, **kw)
+
     for block in model.transformer_blocks():
-        fully_shard(block, **kw)
-    fully_shard(model, **kw)
+        if spec.tp > 1:
+            parallelize_module(block, mesh["tp"], _tp_plan(block))
+        if spec.ep > 1 and block.is_moe:
+            # See [Note: expert parallelism] in raggedfsdp/models/transformer.py: the
+            # experts' gradients sum the tokens of every ep rank, so divide by all ranks.
+            expert_parallel(block.moe, mesh["ep"])
+            shard(block.moe.experts, mesh["dp_mod_ep"])
+            block.moe.experts.set_gradient_divide_factor(spec.world)
+            block.moe.experts.set_force_sum_reduction_for_comms(True)
+        shard(block, fsdp_mesh)
+    shard(model, fsdp_mesh)
+    return split
 
 
 def _decay_groups(params, weight_decay: float, **hyper) -> list[dict]:
@@ -124,36 +174,60 @@ def _lr_lambda(args):
     return f
 
 
-def padding_ratio(model: nn.Module, backend: str, world: int) -> float:
-    """Padded elements / parameter elements of the communication buffers.
+def padding_ratio(model: nn.Module, backend: str, split: dict[str, tuple]) -> float:
+    """Padded elements / parameter elements of the communication buffers (this rank's
+    TP / EP coordinate: the tensors ``fully_shard`` laid out).
 
     Args:
         model: the sharded model.
         backend: ``"raggedfsdp"`` or ``"fsdp2"``.
-        world: ranks a buffer is sharded over (the shard dim's size under HSDP).
+        split: ``_shard``'s ``{fqn: (shape, ranks)}``.
     """
-    total = sum(p.numel() for p in model.parameters())
     if backend == "fsdp2":  # per-parameter dim-0 chunks, each padded to ceil(rows / m)
-        pad = 0
-        for p in model.parameters():
-            rows = p.shape[0]
-            pad += (math.ceil(rows / world) * world - rows) * (p.numel() // rows)
+        pad = total = 0
+        for shape, m in split.values():
+            numel, rows = math.prod(shape), shape[0] if shape else 1
+            pad += (math.ceil(rows / m) * m - rows) * (numel // rows)
+            total += numel
         return pad / total
     from raggedfsdp.fsdp import buffers_of
 
-    pad = sum(buf.layout.padding for buf in buffers_of(model))
-    return pad / total
+    layouts = [buf.layout for buf in buffers_of(model)]
+    return sum(lay.padding for lay in layouts) / sum(lay.total_numel for lay in layouts)
 
 
-def _clip(model, args):
+def _clip(model, args, spec: MeshSpec) -> None:
     if not args.clip:
         return
-    if args.backend == "fsdp2":
-        nn.utils.clip_grad_norm_(model.parameters(), args.clip)
-    else:
+    if args.backend == "raggedfsdp":
         from raggedfsdp import clip_grad_norm_
 
         clip_grad_norm_(model.parameters(), args.clip)
+    elif spec.tp > 1 or spec.ep > 1:
+        _clip_through_full_tensors(model.parameters(), args.clip)
+    else:
+        nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+
+
+@torch.no_grad()
+def _clip_through_full_tensors(params, max_norm: float) -> torch.Tensor:
+    """FSDP2 under TP / EP: torch's ``clip_grad_norm_`` refuses gradients on different
+    meshes (a block's (dp, tp) against the root's dp), so the norm goes through full
+    tensors (an all-gather of every gradient: a demo's cost, not a large run's)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    # torch warns at every (_StridedShard, Shard) gather that it takes two all-gathers
+    log = logging.getLogger("torch.distributed.tensor._redistribute")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        full = [g.full_tensor() if isinstance(g, DTensor) else g for g in grads]
+    finally:
+        log.setLevel(level)
+    total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in full]))
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for g in grads:  # one mesh per foreach call: a loop
+        g.mul_(coef)
+    return total
 
 
 def _grads_finite(model: nn.Module, device) -> torch.Tensor:
@@ -207,12 +281,13 @@ def _train(args, where: Where) -> int:
     torch.set_num_threads(1)
     out = Path(args.out)
     ckpt_root = out / CKPT
-    mesh = _mesh(args, world)
+    spec = parse_train_mesh(args.mesh, world)  # checked by the launcher
+    mesh = _mesh(spec)
     # HSDP's collectives cross both mesh dims: name every rank's group on a timeout
     where.mesh_group = where.group = mesh.get_group(0) if mesh.ndim == 1 else dist.group.WORLD
     corpus = load_corpus(DataConfig(path=args.data, max_bytes=args.max_bytes))
     model = Transformer(get_config(args.model), max_seq_len=args.seq_len, seed=args.seed)
-    _shard(model, args, mesh)
+    split = _shard(model, args, spec, mesh)
     where.watch(model)
     opt = _optimizer(model, args)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(args))
@@ -240,8 +315,8 @@ def _train(args, where: Where) -> int:
             step=step,
             batch_size=args.batch_size,
             seq_len=args.seq_len,
-            rank=rank,
-            world_size=world,
+            rank=spec.data_rank(rank),  # tp ranks share their data rank's rows
+            world_size=spec.data_ranks,
         )
 
     def one_step(step):
@@ -252,13 +327,15 @@ def _train(args, where: Where) -> int:
         loss.backward()
         finite = _grads_finite(model, loss.device)
         where.at("gradient clipping (norm all-reduce)", step)
-        _clip(model, args)
+        _clip(model, args, spec)
         where.at("optimizer step", step)
         opt.step()
         opt.zero_grad()
         sched.step()
         return loss.detach(), finite
 
+    # A mean over all ranks is the mean over the data ranks: the tp ranks of one data
+    # rank hold the same loss, as many times each.
     def mean(value: torch.Tensor) -> float:
         value = value.clone()
         dist.all_reduce(value)
@@ -327,12 +404,13 @@ def _train(args, where: Where) -> int:
         "backend": args.backend,
         "model": args.model,
         "world": world,
-        "mesh": args.mesh,
+        "mesh": spec.text,
+        "mesh_dims": spec.dims,
         "optim": args.optim,
         "steps": args.steps,
         "median_step_s": statistics.median(steady),
         "tokens_per_s": tokens / statistics.median(steady),
-        "padding_ratio": padding_ratio(model, args.backend, mesh.size(-1)),
+        "padding_ratio": padding_ratio(model, args.backend, split),
         "final_loss": loss,
         **measured,
     }

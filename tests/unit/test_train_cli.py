@@ -66,24 +66,67 @@ def test_help_documents_every_option(capsys):
         (["--backend", "fsdp2", "--block-rows", "4"], r"--block-rows applies to the raggedfsdp"),
         (["--resume", "--overwrite"], r"--resume continues the run in --out, --overwrite"),
         (["--resume"], r"--resume: '.*out' holds no run \(run.json is missing\), nothing to"),
-        # issue 13: HSDP meshes only, of exactly the job's ranks
+        # issue 13: meshes of exactly the job's ranks, checked against the model
         (
             ["--mesh", "replicate=2,shard=3", "--nproc", "4"],
-            r"--mesh replicate=2,shard=3 has 2 x 3 = 6 ranks, but the job has 4 \(--nproc 4 x "
-            r"--nnodes 1\); make R x S equal the number of ranks",
+            r"--mesh replicate=2,shard=3 has 2 x 3 = 6 ranks, but the job has 4; make R x S "
+            r"equal the number of ranks",
         ),
-        (
-            ["--mesh", "tp=2,shard=2"],
-            r"train: --mesh 'tp=2,shard=2': the 'tp' dim \(tensor parallel\) is not supported "
-            r"yet; only HSDP meshes are: pass replicate=R,shard=S",
-        ),
-        (["--mesh", "replicate=2,ep=2"], r"the 'ep' dim \(expert parallel\) is not supported"),
         (["--mesh", "replicate=2,shard=x"], r"the size of 'shard' must be an int >= 1, got 'x'"),
         (["--mesh", "shard=4"], r"the 'replicate' dim is missing"),
+        (["--mesh", "dp=2,shard=2"], r"dp and shard both name the data-parallel ranks"),
+        (["--mesh", "cp=2"], r"the 'cp' dim \(context parallel\) is not supported yet"),
+        (["--mesh", "fsdp=4"], r"unknown dim 'fsdp'; expected some of replicate, shard, dp"),
         (
             ["--mesh", "replicate=2,shard=2", "--reshard-after-forward", "2"],
-            r"--reshard-after-forward 2 with --mesh \(HSDP\) is not supported yet .*pass "
-            r"auto, true or false",
+            r"--reshard-after-forward 2 with --mesh replicate=2,shard=2 is not supported yet "
+            r".*pass auto, true or false",
+        ),
+        (
+            ["--mesh", "dp=4,tp=2", "--model", "llama-small"],
+            r"--mesh dp=4,tp=2: dp x tp = 8, but the job has 4 ranks; make dp x tp equal",
+        ),
+        (["--mesh", "tp=3", "--model", "llama-small"], r"tp=3 does not divide the job's 4"),
+        (
+            ["--mesh", "tp=2"],
+            r"--mesh tp=2: llama-tiny has 3 query and 1 key/value heads \(gqa attention\), "
+            r"which do not split over tp=2; tensor parallel splits whole heads",
+        ),
+        (["--mesh", "tp=2", "--model", "moe-tiny"], r"moe-tiny has 3 query and 1 key/value"),
+        (
+            ["--mesh", "tp=2", "--model", "llama-small", "--optim", "muon"],
+            r"--optim muon with --mesh tp=2 is not supported yet .*pass --optim adamw or sgd",
+        ),
+        (
+            ["--mesh", "tp=2", "--model", "llama-small", "--batch-size", "3"],
+            r"--batch-size 3 is not divisible by the 2 data-parallel ranks of --mesh dp=2,tp=2",
+        ),
+        (
+            ["--mesh", "tp=2", "--model", "llama-small", "--block-rows", "2"],
+            r"--block-rows 2 with --mesh tp=2 is not supported yet",
+        ),
+        (
+            ["--mesh", "ep=2", "--model", "llama-small"],
+            r"--mesh ep=2: llama-small is dense \(no experts to split over ep\); expert parallel "
+            r"needs an MoE model",
+        ),
+        (
+            ["--mesh", "ep=4", "--model", "moe-small"],
+            r"--mesh ep=4: the 6 experts of moe-small do not split evenly over ep=4",
+        ),
+        (["--mesh", "dp=2,ep=2", "--model", "moe-small"], r"pass dp=4 or leave dp out"),
+        (
+            ["--mesh", "tp=2,ep=2", "--model", "moe-small"],
+            r"--mesh with tp=2 and ep=2: tensor and expert parallel together are not "
+            r"supported yet",
+        ),
+        (
+            ["--mesh", "replicate=2,shard=1,ep=2", "--model", "moe-small"],
+            r"HSDP x EP is not supported yet; pass ep=2 alone",
+        ),
+        (
+            ["--mesh", "ep=2", "--model", "moe-small", "--optim", "adamw8bit"],
+            r"--optim adamw8bit with --mesh ep=2 is not supported yet",
         ),
     ],
 )
