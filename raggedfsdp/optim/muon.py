@@ -599,6 +599,14 @@ def _check_muon_param(p: Tensor, fallback: str) -> None:
         )
     for placement in placements:
         if not isinstance(placement, (RaggedShard, Replicate)):
+            if any(isinstance(q, RaggedShard) for q in placements):  # FSDP x TP / EP
+                raise NotImplementedError(
+                    f"Muon: parameter {name!r} is placed {placements} on mesh "
+                    f"{mesh.mesh_dim_names}: tensor- or expert-parallel as well as sharded "
+                    "by fully_shard. Newton-Schulz needs the whole matrix, which would be "
+                    "gathered across that dim too; not supported yet: put such matrices in "
+                    "a use_muon=False (AdamW) group, or parallelize without TP / EP"
+                )
             raise NotImplementedError(
                 f"Muon: parameter {name!r} is sharded as {placement!r}; Muon needs RaggedShard "
                 "(raggedfsdp.fully_shard) or Replicate: shard the model with raggedfsdp"

@@ -26,6 +26,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 import raggedfsdp
+import raggedfsdp.optim
 from raggedfsdp import RaggedShard, checkpoint
 from raggedfsdp.fsdp import buffers_of
 from raggedfsdp.models import get_config
@@ -247,6 +248,12 @@ def _check_errors(rank):
     with pytest.raises(ValueError, match=r"'attention.wq.weight'.*is one of the fully_shard"):
         raggedfsdp.fully_shard(block, mesh=mesh["tp"])
     assert all(not isinstance(p, RaggedShard) for p in block.parameters())
+    # optimizers that need whole matrices or blocks refuse TP-sharded ones, naming them
+    block = Transformer(_config("llama-tiny"), max_seq_len=SEQ, seed=0).layers[0]
+    parallelize_module(block, mesh["tp"], _plan("llama-tiny"))
+    raggedfsdp.fully_shard(block, mesh=mesh["dp"])
+    with pytest.raises(NotImplementedError, match=r"'attention.wq.weight'.*tensor- or expert-"):
+        raggedfsdp.optim.Muon([{"params": [block.attention.wq.weight], "use_muon": True}])
 
 
 def _tp_of(mesh):
