@@ -64,6 +64,20 @@ RS_OP = "c10d._reduce_scatter_base_.default"  # gloo copies into this op's outpu
 
 
 # ---- one system: a sharded model, its optimizer, its steps ---------------------------------
+def _shard_kwargs(system: str, args) -> dict:
+    """``fully_shard`` keywords of ``--reshard-after-forward`` and ``--mp``, for ``system``."""
+    kwargs = {"reshard_after_forward": args.reshard_after_forward}
+    if args.mp == "bf16":
+        if system == "raggedfsdp":
+            from raggedfsdp import MixedPrecisionPolicy
+        else:
+            from torch.distributed.fsdp import MixedPrecisionPolicy
+        kwargs["mp_policy"] = MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16, reduce_dtype=torch.float32
+        )
+    return kwargs
+
+
 class Run:
     """One model sharded by one system, trained step by step on the shared data."""
 
@@ -75,7 +89,7 @@ class Run:
         self.system, self.rank, self.world, self.data, self.args = system, rank, world, data, args
         model = Transformer(get_config(model_name), max_seq_len=args.seq, seed=args.seed)
         self.n_params = sum(p.numel() for p in model.parameters())
-        shard(model, init_device_mesh("cpu", (world,)), system)
+        shard(model, init_device_mesh("cpu", (world,)), system, **_shard_kwargs(system, args))
         self.model = model
         if args.optim == "adamw":
             self.opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
@@ -165,9 +179,112 @@ def count_step(run: Run) -> dict:
     }
 
 
-def memory_step(run: Run) -> dict:
-    """Peak memory of one step by ``MemTracker`` category, the system's storages tracked."""
-    return peak_memory(run.step, run.model, run.opt, *run.persistent_storages())
+def memory_step(run: Run) -> tuple[dict, dict]:
+    """Peak memory of one step by ``MemTracker`` category, the system's storages tracked,
+    and what each FSDP group held at that moment (``_PeakGroups``)."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    at_peak = _PeakGroups(run)
+
+    class Tracker(MemTracker):  # reports its running total to at_peak after every op
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = super().__torch_dispatch__(func, types, args, kwargs)
+            if out is not NotImplemented:
+                at_peak.sample(self, func)
+            return out
+
+    peak = peak_memory(run.step, run.model, run.opt, *run.persistent_storages(), tracker=Tracker)
+    return peak, at_peak.result()
+
+
+def _ragged_groups(model) -> dict[str, list]:
+    """``{group: its BufferViews}`` of raggedfsdp (``"root"`` for the model itself)."""
+    from raggedfsdp.fsdp import buffer_of
+
+    groups: dict[str, dict[int, object]] = {}
+    for fqn, param in model.named_parameters():
+        if (found := buffer_of(param)) is not None:
+            buf, piece = found
+            name = fqn[: len(fqn) - len(piece.fqn)].rstrip(".") or "root"
+            groups.setdefault(name, {})[id(buf)] = buf
+    return {name: list(bufs.values()) for name, bufs in groups.items()}
+
+
+def _nbytes(tensors) -> int:
+    """Bytes of the distinct storages of ``tensors`` (0 for a freed one)."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return sum(n for ptr, n in storages.items() if ptr)
+
+
+class _PeakGroups:
+    """What each group holds at the step's peak: ``{group: [unsharded params, unsharded
+    gradients]}`` in bytes, the module and op at the peak, and the number of groups unsharded.
+
+    raggedfsdp: the global parameter storage (also the all-gather output) and the flat
+    gradient storage of each buffer (its reduce-scatter input). FSDP2: the unsharded
+    parameters plus an all-gather output in flight, the unsharded ``.grad``s; its
+    reduce-scatter input (the gradients' copy, kept until the next reduce-scatter) is the
+    row ``reduce-scatter input``. The rest of the peak (sharded parameters and gradients,
+    optimizer states, activations, temporaries, raggedfsdp's cast for a reduce-scatter in
+    another dtype) is the row ``other``.
+    """
+
+    def __init__(self, run: Run):
+        self.run, self.best, self.at = run, -1, {}
+        if run.system == "raggedfsdp":
+            self.groups = _ragged_groups(run.model)
+        else:
+            self.groups = {
+                name or "root": m._get_fsdp_state()._fsdp_param_group
+                for name, m in run.model.named_modules()
+                if hasattr(m, "_get_fsdp_state") and m._get_fsdp_state()._fsdp_param_group
+            }
+
+    def _held(self) -> dict[str, list[int]]:
+        held = {}
+        if self.run.system == "raggedfsdp":
+            for name, bufs in self.groups.items():
+                held[name] = [
+                    _nbytes(b.unsharded for b in bufs),
+                    _nbytes(b.unsharded_grad for b in bufs),
+                ]
+            return held
+        rs_inputs = [st.reduce_scatter_input for st in self._comm_ctx().reduce_scatter_states]
+        for name, pg in self.groups.items():
+            params = [t for p in pg.fsdp_params for t in p.all_gather_outputs]
+            if pg._all_gather_result is not None:  # in flight: the all-gather output
+                params.append(pg._all_gather_result.all_gather_output)
+            grads = [
+                p._unsharded_param.grad
+                for p in pg.fsdp_params
+                if getattr(p, "_unsharded_param", None) is not None
+                and p._unsharded_param.grad is not None
+            ]
+            held[name] = [_nbytes(params), _nbytes(grads)]
+        held["reduce-scatter input"] = [0, _nbytes(rs_inputs)]
+        return held
+
+    def _comm_ctx(self):
+        return next(iter(self.groups.values())).comm_ctx  # one, shared by the groups
+
+    def sample(self, tracker, func) -> None:
+        snap = tracker.get_tracker_snapshot("current")
+        total = max((by_kind.get("Total", 0) for by_kind in snap.values()), default=0)
+        if total > self.best:
+            parents = [p for p in tracker._mod_tracker.parents if p != "Global"]
+            self.best = total
+            self.at = {
+                "total": int(total),
+                "groups": self._held(),
+                "module": max(parents, key=len, default="Global"),
+                "op": str(func),
+                "backward": bool(tracker._mod_tracker.is_bw),
+            }
+
+    def result(self) -> dict:
+        at = self.at
+        at["unsharded_groups"] = sum(1 for p, _ in at["groups"].values() if p)
+        return at
 
 
 class _MostAlive(TorchDispatchMode):
@@ -213,7 +330,9 @@ def _rank_main(rank: int, world: int, save, args) -> None:
                 for _ in range(args.block):
                     runs[s].step(timed=True)
         counts = {s: count_step(runs[s]) for s in SYSTEMS}
-        memory = {s: memory_step(runs[s]) for s in SYSTEMS}
+        memory, at_peak = {}, {}
+        for s in SYSTEMS:
+            memory[s], at_peak[s] = memory_step(runs[s])
         held = unsharded_grads_step(runs["raggedfsdp"])
         runs["fsdp2"].step()  # same data for both on every step
         peaks = gather_objects({s: memory[s]["Total"] for s in SYSTEMS})
@@ -230,6 +349,7 @@ def _rank_main(rank: int, world: int, save, args) -> None:
             "padding_bound": sum(b.layout.lower_bound_padding for b in bufs),
             "counts": counts,
             "memory_rank0": memory,
+            "at_peak_rank0": at_peak,
             "peak_per_rank": {s: [p[s] for p in peaks] for s in SYSTEMS},
             "ragged_unsharded_grads": held,
             "ragged_shard_grad_bytes": sum(b.layout.shard_size * b.dtype.itemsize for b in bufs),
@@ -340,10 +460,39 @@ def _raw_numbers(name: str, r: dict) -> list[str]:
     for key in r["memory_rank0"]["raggedfsdp"]:
         a, b = (r["memory_rank0"][s].get(key, 0) for s in SYSTEMS)
         lines.append(f"| rank 0 at its peak: {key} | {a:,} | {b:,} |")
+    lines += _at_peak_table(r)
     lines += ["", "Losses per step:", ""]
     for s in SYSTEMS:
         lines.append(f"- {s}: " + ", ".join(f"{x:.6f}" for x in r["losses"][s]))
     return [*lines, ""]
+
+
+def _at_peak_table(r: dict) -> list[str]:
+    """Rank 0 at each system's peak: where it was, and what each group held (MiB)."""
+    at = r["at_peak_rank0"]
+    lines = ["", "Rank 0 at the peak, by group (MiB: unsharded parameters / gradients):", ""]
+    lines += ["| | raggedfsdp | FSDP2 |", "|---|---:|---:|"]
+    for key, label in (("module", "module running"), ("op", "op")):
+        lines.append(f"| {label} | {at['raggedfsdp'][key]} | {at['fsdp2'][key]} |")
+    phases = ["backward" if at[s]["backward"] else "forward / optimizer" for s in SYSTEMS]
+    lines.append(f"| phase | {phases[0]} | {phases[1]} |")
+    counts = [at[s]["unsharded_groups"] for s in SYSTEMS]
+    lines.append(f"| groups holding unsharded parameters | {counts[0]} | {counts[1]} |")
+    names = list(dict.fromkeys([*at["raggedfsdp"]["groups"], *at["fsdp2"]["groups"]]))
+    held = {s: [0, 0] for s in SYSTEMS}
+    for name in names:
+        cells = []
+        for s in SYSTEMS:
+            p, g = at[s]["groups"].get(name, [0, 0])
+            held[s] = [held[s][0] + p, held[s][1] + g]
+            cells.append(f"{mib(p)} / {mib(g)}" if name in at[s]["groups"] else "")
+        lines.append(f"| {name} | {cells[0]} | {cells[1]} |")
+    cells = [f"{mib(held[s][0])} / {mib(held[s][1])}" for s in SYSTEMS]
+    lines.append(f"| all groups | {cells[0]} | {cells[1]} |")
+    other = [mib(at[s]["total"] - sum(held[s])) for s in SYSTEMS]
+    lines.append(f"| other (activations, optimizer, sharded, temps) | {other[0]} | {other[1]} |")
+    lines.append(f"| peak | {mib(at['raggedfsdp']['total'])} | {mib(at['fsdp2']['total'])} |")
+    return lines
 
 
 def report(results: dict, args, command: str, seconds: float, load: list) -> str:
@@ -351,9 +500,11 @@ def report(results: dict, args, command: str, seconds: float, load: list) -> str
     lines = header("Training step: raggedfsdp vs FSDP2", command, seconds)
     lines += [
         f"Configuration: {args.world} gloo ranks on {os.cpu_count()} CPU cores (1 thread each), "
-        f"fp32, {args.optim} (lr {args.lr}), global batch {args.batch} x {args.seq} tokens "
+        f"{'fp32' if args.mp == 'fp32' else 'bf16 parameters, fp32 reduce'}, "
+        f"{args.optim} (lr {args.lr}), global batch {args.batch} x {args.seq} tokens "
         f"(rows split over ranks), seed {args.seed}; `fully_shard` on each transformer block, "
-        f"then the root (reshard_after_forward=True, defaults otherwise) for both systems; "
+        f"then the root (reshard_after_forward={args.reshard_after_forward}, defaults otherwise) "
+        f"for both systems; "
         f"{args.warmup} warm-up steps each, then {args.steps} timed steps each in blocks of "
         f"{args.block}, alternating ABBA; then one step under CopyCounter + CommCounter and one "
         f"under MemTracker for each. Bytes are per rank per step. A step is forward, backward, "
@@ -386,6 +537,15 @@ def main(argv=None) -> None:
     parser.add_argument("--optim", choices=["adamw", "sgd"], default="adamw")
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--reshard-after-forward",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="fully_shard(reshard_after_forward=...) of the blocks and the root (default True)",
+    )
+    parser.add_argument(
+        "--mp", choices=["fp32", "bf16"], default="fp32", help="bf16: param bf16, reduce fp32"
+    )
     parser.add_argument("--out", type=Path, default=RESULTS / "step.md")
     args = parser.parse_args(argv)
     if args.batch % args.world:

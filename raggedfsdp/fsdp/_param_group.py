@@ -328,6 +328,7 @@ class ParamGroup:
                     view = ref.tp.unsharded(view, ref.requires_grad)
                 ref.unsharded = nn.Parameter(view, requires_grad=ref.requires_grad)
                 if ref.requires_grad:
+                    ref.hooks.append(ref.unsharded.register_hook(self._first_grad_hook))
                     ref.hooks.append(
                         ref.unsharded.register_post_accumulate_grad_hook(_mark_got_grad(ref))
                     )
@@ -366,7 +367,7 @@ class ParamGroup:
             self.dbuf.shard_grads.free()
 
     def prepare_grads(self, unsharded: bool = True) -> None:
-        """Point every unsharded ``.grad`` at the flat global gradient storage (pre-backward).
+        """Get ready for the group's gradients (pre-backward); see [Note: gradient storage].
 
         Args:
             unsharded: the parameters were unsharded for backward (False after
@@ -379,9 +380,37 @@ class ParamGroup:
         # reduces after its last call's backward, and may then run backward again:
         # finish that reduce and gather the rest in fresh gradient storage.
         self.wait_reduce()
-        grads = self.dbuf.global_grads
-        if not grads.allocated:
-            grads.alloc().zero_()
+
+    def _first_grad_hook(self, grad: torch.Tensor) -> torch.Tensor:
+        """Tensor hook of every unsharded parameter: runs before autograd accumulates ``grad``."""
+        if self.needs_post_backward and not self.dbuf.global_grads.allocated:
+            self._alloc_grads()
+        return grad
+
+    def _alloc_grads(self) -> None:
+        """Allocate the flat global gradient storage (zeros) and point every unsharded
+        ``.grad`` at its view.
+
+        [Note: gradient storage]
+        The group's unsharded gradients are views of one flat storage (the reduce-scatter
+        input: no copy-in), allocated whole. It is allocated when the first gradient
+        reaches the group, not at its pre-backward: a tensor hook on each unsharded
+        parameter runs before autograd's ``AccumulateGrad``, which then adds the gradient
+        into the view (in place; no copy). Until then the group holds no gradient memory:
+        an embedding in a group of its own (torchtitan's grouping) from the start of
+        backward to its very end. A group that got no gradient on this rank still reduces
+        (zeros) in ``post_backward``, as every rank's does. Under a ``reduce_dtype`` the
+        storage is freed as soon as it is cast (the cast is the reduce-scatter input).
+
+        What this costs against FSDP2, which allocates each ``.grad`` as autograd makes
+        it: from a group's first gradient to its reduce-scatter, the whole group's
+        gradient bytes, where FSDP2 holds only the gradients made so far (and then a
+        copy of all of them for its reduce-scatter). A group's first gradient comes early
+        in its backward, where activations are at their largest; and a group holding an
+        embedding and a head (``fully_shard`` of the root) holds the embedding's gradient
+        bytes from the head's backward on.
+        """
+        self.dbuf.global_grads.alloc(zero=True)
         for ref in self.refs:
             if ref.requires_grad and ref.unsharded is not None and ref.unsharded.grad is None:
                 grad = self.dbuf.global_grad_view(ref.fqn)
@@ -397,8 +426,8 @@ class ParamGroup:
         self.needs_post_backward = False
         if reshard:
             self.reshard()
-        if not self.dbuf.global_grads.allocated:
-            return
+        if not self.dbuf.global_grads.allocated:  # no gradient reached the group on this rank
+            self._alloc_grads()
         if not self.requires_gradient_sync:  # the unsharded gradients accumulate
             if self.reduce_dtype != self.compute_dtype:
                 self._accumulate_in_reduce_dtype()
@@ -423,6 +452,12 @@ class ParamGroup:
         # The reduce-scatter writes every element (padding too) on the direct path;
         # otherwise only parameters' parts are written: start from zeros.
         self.dbuf.shard_grads.alloc(zero=not direct)
+        if source is None and self.reduce_dtype != self.compute_dtype:
+            # One cast of the whole buffer, on the stream that made the gradients (as
+            # FSDP2's copy-in): the cast is the reduce-scatter input, so the gradients'
+            # storage goes at once instead of living until the reduce-scatter is waited.
+            source = self.dbuf.global_grads.tensor.to(self.reduce_dtype)
+            self._free_unsharded_grads()
         op = self._reduce_op()
         with self.streams.reducing():  # see [Note: streams]
             output = (
@@ -509,6 +544,9 @@ class ParamGroup:
             return
         self._reduce.work.wait()
         self._reduce = self._reduce._replace(work=None, input=None)
+        self._free_unsharded_grads()
+
+    def _free_unsharded_grads(self) -> None:
         for ref in self.refs:
             if ref.unsharded is not None:
                 ref.unsharded.grad = None

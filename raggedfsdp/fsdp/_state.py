@@ -5,10 +5,11 @@ Same shape as FSDP2. Forward pre-hook: unshard this group (one all-gather into t
 global storage), then start the next group's all-gather (prefetch, in the order
 recorded on the first step). Forward post-hook: reshard (free the global storage)
 per ``reshard_after_forward`` (by default, all but the root). Backward: a hook on
-the module's outputs unshards again, points the unsharded ``.grad``s at the flat
-gradient storage and prefetches the previous group; an autograd function on the
-module's inputs fires once its backward is done and starts the group's
-reduce-scatter (asynchronous). The root queues a final callback that reduces any
+the module's outputs unshards again and prefetches the previous group (as FSDP2:
+at most two blocks unsharded at once); the group's flat gradient storage is
+allocated when its first gradient arrives (see [Note: gradient storage]); an
+autograd function on the module's inputs fires once its backward is done and
+starts the group's reduce-scatter (asynchronous). The root queues a final callback that reduces any
 group whose inputs needed no gradient (embeddings, the root itself), waits for
 every reduce-scatter, and sets the sharded ``.grad``s, with one small all-reduce
 that tells every rank which parameters received a gradient on any rank.

@@ -1,0 +1,184 @@
+"""Memory, structurally: when gradient storage is allocated, and how many groups are unsharded.
+
+Peaks in bytes depend on the model and the allocator; these checks hold whatever the
+sizes. See [Note: gradient storage] in ``fsdp/_param_group.py``:
+
+- a group's flat gradient storage is allocated when its first gradient arrives, not at
+  its pre-backward: the embedding's group (torchtitan's grouping) holds no gradient
+  memory until ``embedding_dense_backward`` has produced one;
+- every gradient storage is freed by the end of the step;
+- at no moment of backward are more groups unsharded than under torch's FSDP2 (the same
+  backward prefetch), for both groupings;
+- a group whose parameters get no gradient on one rank still reduce-scatters (zeros):
+  the ranks' collectives match and the other rank's gradient arrives, averaged;
+- the gradients equal FSDP2's.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import fully_shard as torch_fully_shard
+from torch.distributed.tensor import DTensor, init_device_mesh
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass_type
+
+from raggedfsdp import fully_shard
+from raggedfsdp.fsdp import buffer_of, buffers_of
+from raggedfsdp.models import get_config
+from raggedfsdp.models.transformer import Transformer, lm_loss
+from tests.harness import spawn
+
+WORLD = 2
+SEQ = 16
+
+
+class _AfterEachOp(TorchDispatchMode):
+    """Calls ``probe(op name)`` after every op on plain tensors (DTensor ops: their local ops)."""
+
+    def __init__(self, probe):
+        super().__init__()
+        self.probe = probe
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(is_traceable_wrapper_subclass_type(t) for t in types):
+            return NotImplemented
+        out = func(*args, **(kwargs or {}))
+        self.probe(str(func))
+        return out
+
+
+def _build(fs, grouping: str, mesh) -> Transformer:
+    model = Transformer(get_config("llama-tiny"), max_seq_len=SEQ, seed=0)
+    if grouping == "titan":  # torchtitan: embedding, each block, [norm, output], the root
+        fs(model.tok_embeddings, mesh=mesh)
+        for block in model.transformer_blocks():
+            fs(block, mesh=mesh)
+        fs([model.norm, model.output], mesh=mesh)
+    else:  # each block, then the root (benchmarks/_common.py)
+        for block in model.transformer_blocks():
+            fs(block, mesh=mesh)
+    fs(model, mesh=mesh)
+    return model
+
+
+def _batch(rank: int, step: int):
+    g = torch.Generator().manual_seed(100 * step + rank)
+    x = torch.randint(0, get_config("llama-tiny").vocab_size, (2, SEQ), generator=g)
+    return x, torch.roll(x, -1, dims=1)
+
+
+def _unsharded_groups(model, system: str):
+    """A function: how many groups hold unsharded parameters (or an all-gather in flight)."""
+    if system == "raggedfsdp":
+        bufs = buffers_of(model)
+        return lambda: sum(b.unsharded.untyped_storage().nbytes() > 0 for b in bufs)
+    groups = [
+        m._get_fsdp_state()._fsdp_param_group
+        for m in model.modules()
+        if hasattr(m, "_get_fsdp_state") and m._get_fsdp_state()._fsdp_param_group is not None
+    ]
+    return lambda: sum(g.is_unsharded or g._all_gather_result is not None for g in groups)
+
+
+def _step(model, rank: int, step: int, probe=None) -> None:
+    x, y = _batch(rank, step)
+    loss = lm_loss(model(x), y)
+    if probe is None:
+        loss.backward()
+    else:
+        with _AfterEachOp(probe):
+            loss.backward()
+
+
+def _most_unsharded_in_backward(model, system: str, rank: int) -> int:
+    count, most = _unsharded_groups(model, system), [0]
+    _step(model, rank, 0)  # the first step records the order that prefetch follows
+    for p in model.parameters():
+        p.grad = None
+    _step(model, rank, 1, lambda op: most.__setitem__(0, max(most[0], count())))
+    return most[0]
+
+
+def _grad_storage_timeline(model, rank: int) -> tuple[list[str], dict[int, int]]:
+    """Backward's ops, and for each buffer the index of the op after which its gradient
+    storage was first seen allocated."""
+    bufs = buffers_of(model)
+    ops: list[str] = []
+    first: dict[int, int] = {}
+
+    def probe(op):
+        ops.append(op)
+        for i, b in enumerate(bufs):
+            if i not in first and b.unsharded_grad.untyped_storage().nbytes() > 0:
+                first[i] = len(ops) - 1
+
+    _step(model, rank, 0)
+    for p in model.parameters():
+        p.grad = None
+    _step(model, rank, 1, probe)
+    assert all(b.unsharded_grad.untyped_storage().nbytes() == 0 for b in bufs), (
+        "an unsharded gradient storage outlived the backward"
+    )
+    return ops, first
+
+
+class _MaybeUnused(nn.Module):
+    """A linear layer that rank 1 skips: its output still needs a gradient (through x)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return x * 2 if dist.get_rank() == 1 else self.lin(x)
+
+
+def _check(rank: int, world: int) -> None:
+    mesh = init_device_mesh("cpu", (world,))
+
+    # 1. The embedding group's gradient storage: not before the embedding's backward.
+    model = _build(fully_shard, "titan", mesh)
+    ops, first = _grad_storage_timeline(model, rank)
+    bufs = buffers_of(model)
+    (emb,) = [i for i, b in enumerate(bufs) if b is buffer_of(model.tok_embeddings.weight)[0]]
+    backward_of_embedding = ops.index("aten.embedding_dense_backward.default")
+    assert first[emb] > backward_of_embedding, (
+        f"the embedding group's gradient storage was allocated after op {first[emb]} "
+        f"({ops[first[emb]]}), before the embedding's backward (op {backward_of_embedding})"
+    )
+    assert len(first) == len(bufs), "a group never got gradient storage"
+
+    # 2. Groups unsharded at once in backward: no more than FSDP2 (same prefetch), and
+    #    the gradients equal FSDP2's.
+    for grouping in ("titan", "blocks"):
+        most = {}
+        models = {}
+        for system, fs in (("raggedfsdp", fully_shard), ("fsdp2", torch_fully_shard)):
+            models[system] = _build(fs, grouping, mesh)
+            most[system] = _most_unsharded_in_backward(models[system], system, rank)
+        assert most["raggedfsdp"] <= most["fsdp2"], (grouping, most)
+        ours = dict(models["raggedfsdp"].named_parameters())
+        for name, p in models["fsdp2"].named_parameters():
+            a, b = ours[name].grad.full_tensor(), p.grad.full_tensor()
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=f"{grouping}: {name}")
+
+    # 3. A group with no gradient on rank 1 still reduces: zeros from rank 1, averaged.
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 8), _MaybeUnused(), nn.Linear(8, 2))
+    fully_shard(net[1], mesh=mesh)
+    fully_shard(net, mesh=mesh)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
+    net(x).sum().backward()
+    grads = [p.grad.full_tensor() for p in net[1].parameters()]
+    # rank 0's gradient, over 2 ranks (AVG); rank 0 computes it again in one process
+    torch.manual_seed(0)  # the same initial parameters as net's
+    ref = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 2))
+    ref(torch.randn(4, 8, generator=torch.Generator().manual_seed(0))).sum().backward()
+    for g, r in zip(grads, ref[1].parameters()):
+        torch.testing.assert_close(g, r.grad / 2)
+    assert all(isinstance(p.grad, DTensor) for p in net[1].parameters())
+
+
+def test_gradient_storage_and_unsharded_groups():
+    spawn(WORLD, _check)
