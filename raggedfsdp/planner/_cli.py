@@ -40,6 +40,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from raggedfsdp._mesh_arg import parse_mesh_pairs
 from raggedfsdp.planner._peers import PeerPadding, fsdp1_padding, fsdp2_padding, zero3_padding
 from raggedfsdp.planner._plan import DEFAULT_ALIGNMENT_BYTES, clear_plan_cache, plan_buffer
 from raggedfsdp.planner._spec import WHOLE, TensorSpec, dtype_name_and_itemsize, with_block_rows
@@ -69,31 +70,13 @@ def parse_mesh(text: str) -> tuple[int, int]:
         NotImplementedError: a dim of a parallelism that is not supported yet (``tp``,
             ``ep``, ``cp``, ``pp``).
     """
-    sizes: dict[str, int] = {}
-    for pair in text.split(","):
-        name, eq, size = (part.strip() for part in pair.partition("="))
-        if not eq or not name:
-            raise ValueError(
-                f"--mesh {text!r}: expected name=size pairs separated by commas, got "
-                f"{pair!r}; {_MESH_EXAMPLE}"
-            )
-        if name in _FUTURE_DIMS:
-            raise NotImplementedError(
-                f"--mesh {text!r}: the {name!r} dim ({_FUTURE_DIMS[name]}) is not supported "
-                "yet; only HSDP meshes are: pass replicate=R,shard=S"
-            )
-        if name not in MESH_DIMS:
-            raise ValueError(
-                f"--mesh {text!r}: unknown dim {name!r}; expected replicate and shard, "
-                f"{_MESH_EXAMPLE}"
-            )
-        if name in sizes:
-            raise ValueError(f"--mesh {text!r}: {name!r} is given twice; give it once")
-        if not size.isdigit() or int(size) < 1:
-            raise ValueError(
-                f"--mesh {text!r}: the size of {name!r} must be an int >= 1, got {size!r}"
-            )
-        sizes[name] = int(size)
+    sizes = parse_mesh_pairs(
+        text,
+        MESH_DIMS,
+        _FUTURE_DIMS,
+        _MESH_EXAMPLE,
+        "only HSDP meshes are: pass replicate=R,shard=S",
+    )
     missing = [name for name in MESH_DIMS if name not in sizes]
     if missing:
         raise ValueError(

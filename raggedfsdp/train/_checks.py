@@ -35,6 +35,8 @@ import math
 import re
 from dataclasses import dataclass
 
+from raggedfsdp._mesh_arg import parse_mesh_pairs
+
 __all__ = ["MeshSpec", "check_args", "parse_train_mesh"]
 
 TRAIN_MODELS = ("llama-tiny", "llama-tiny-tied", "llama-small", "moe-tiny", "moe-small")
@@ -148,31 +150,9 @@ def parse_train_mesh(text: str | None, world: int) -> MeshSpec:
     """
     if text is None:
         return MeshSpec(world=world)
-    sizes: dict[str, int] = {}
-    for pair in text.split(","):
-        name, eq, size = (part.strip() for part in pair.partition("="))
-        if not eq or not name:
-            raise ValueError(
-                f"--mesh {text!r}: expected name=size pairs separated by commas, got "
-                f"{pair!r}; {_MESH_EXAMPLE}"
-            )
-        if name in _FUTURE_DIMS:
-            raise NotImplementedError(
-                f"--mesh {text!r}: the {name!r} dim ({_FUTURE_DIMS[name]}) is not supported "
-                "yet; train takes replicate, shard, dp, tp and ep"
-            )
-        if name not in _MESH_DIMS:
-            raise ValueError(
-                f"--mesh {text!r}: unknown dim {name!r}; expected some of "
-                f"{', '.join(_MESH_DIMS)}, {_MESH_EXAMPLE}"
-            )
-        if name in sizes:
-            raise ValueError(f"--mesh {text!r}: {name!r} is given twice; give it once")
-        if not size.isdigit() or int(size) < 1:
-            raise ValueError(
-                f"--mesh {text!r}: the size of {name!r} must be an int >= 1, got {size!r}"
-            )
-        sizes[name] = int(size)
+    sizes = parse_mesh_pairs(
+        text, _MESH_DIMS, _FUTURE_DIMS, _MESH_EXAMPLE, "train takes replicate, shard, dp, tp and ep"
+    )
     hsdp = [name for name in ("replicate", "shard") if name in sizes]
     if hsdp and "dp" in sizes:
         raise ValueError(

@@ -263,7 +263,7 @@ def test_mesh_text_report(capsys):
         ("replicate=two,shard=2", [], "the size of 'replicate' must be an int >= 1, got 'two'"),
         ("replicate:2,shard=2", [], "expected name=size pairs separated by commas, got "
          "'replicate:2'"),
-        ("dp=2,shard=2", [], "unknown dim 'dp'; expected replicate and shard"),
+        ("dp=2,shard=2", [], "unknown dim 'dp'; expected some of replicate, shard"),
         ("shard=2,shard=2", [], "'shard' is given twice"),
         ("tp=2,shard=4", [], "the 'tp' dim (tensor parallel) is not supported yet; only HSDP "
          "meshes are: pass replicate=R,shard=S"),
