@@ -15,11 +15,13 @@ stream and the reduce-scatters on another, so that they overlap compute:
   was allocated on (the all-gather stream), so the all-gather stream waits on an
   event recorded on the compute stream at the reshard before it allocates again:
   no later gather can overwrite memory an earlier kernel still reads.
-- **reduce-scatter**: the stream waits for the compute stream (the gradients are
-  complete), then casts the gradients (``reduce_dtype``) and issues the
-  collective. The cast lives in the pending reduce's record until ``wait``; the
-  global gradient storage (allocated on the compute stream) is freed only after
-  the compute stream waited for the collective.
+- **reduce-scatter**: under a ``reduce_dtype`` the gradients are first cast on the
+  compute stream (as FSDP2's copy-in) and their compute-dtype storage is freed at
+  once (both on the compute stream: safe). The reduce-scatter stream then waits for
+  the compute stream and issues the collective. Its input (the cast, or without a
+  ``reduce_dtype`` the global gradient storage itself, both allocated on the
+  compute stream) lives in the pending reduce's record until ``wait``, and is
+  released only after the compute stream waited for the collective.
 
 On the CPU (and on ``meta``) there are no streams: every method is a no-op and the
 collectives order themselves (gloo runs them on its own threads; ``wait`` joins).
