@@ -190,6 +190,27 @@ def fsdp2_params(model) -> dict[str, list]:
     }
 
 
+def persistent_storages(model, system: str) -> list:
+    """Storages a system allocated at ``fully_shard`` time and resizes afterwards (what a
+    memory tracker must see from the start): raggedfsdp's buffer storages, FSDP2's
+    all-gather outputs."""
+    if system == "raggedfsdp":
+        from raggedfsdp.fsdp import buffers_of
+
+        return [t for buf in buffers_of(model) for t in buf.storages()]
+    return [
+        t for params in fsdp2_params(model).values() for p in params for t in p.all_gather_outputs
+    ]
+
+
+def paired_ratios(a: list[float], b: list[float], block: int) -> list[float]:
+    """Median of ``a`` over median of ``b`` in each round of ``block`` steps (ABBA blocks)."""
+    return [
+        statistics.median(a[i : i + block]) / statistics.median(b[i : i + block])
+        for i in range(0, min(len(a), len(b)), block)
+    ]
+
+
 def fsdp2_padding(params, world: int) -> int:
     """Elements FSDP2 adds to shard ``params`` (each padded on dim 0 to a multiple of world)."""
     return sum(p.padded_sharded_param_size.numel() * world - p._orig_size.numel() for p in params)

@@ -50,15 +50,15 @@ import torch.distributed as dist
 from _common import (  # beside this script, so on sys.path
     ANALYSIS,
     RESULTS,
-    fsdp2_params,
     gather_objects,
     header,
+    paired_ratios,
+    persistent_storages,
     run_ranks,
     write_results,
 )
 from torch.distributed.distributed_c10d import _resolve_process_group
 
-from raggedfsdp.fsdp import buffers_of
 from raggedfsdp.profiling import CommCounter, peak_memory
 from raggedfsdp.train.report import mib, ratio
 
@@ -224,15 +224,7 @@ class Run:
         self.step_index += 1
 
     def persistent_storages(self) -> list[torch.Tensor]:
-        """Storages the system allocated at ``fully_shard`` time and resizes afterwards."""
-        if self.system == "raggedfsdp":
-            return [t for buf in buffers_of(self.model) for t in buf.storages()]
-        return [
-            t
-            for params in fsdp2_params(self.model).values()
-            for p in params
-            for t in p.all_gather_outputs
-        ]
+        return persistent_storages(self.model, self.system)
 
     def count_step(self) -> dict:
         comms = DimCommCounter(mesh_dims(self.mesh))
@@ -300,11 +292,8 @@ def _dims(r: dict) -> list[str]:
 
 
 def _paired_ratios(r: dict, block: int) -> list[float]:
-    a, b = r["times"]["raggedfsdp"], r["times"]["fsdp2"]
-    return [
-        statistics.median(a[i : i + block]) / statistics.median(b[i : i + block])
-        for i in range(0, min(len(a), len(b)), block)
-    ]
+    """raggedfsdp / FSDP2 median step time of each round (the two adjacent blocks)."""
+    return paired_ratios(r["times"]["raggedfsdp"], r["times"]["fsdp2"], block)
 
 
 def _summary_rows(r: dict, args) -> list[tuple[str, str, str, str]]:

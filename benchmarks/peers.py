@@ -81,6 +81,7 @@ from _common import (  # beside this script, so on sys.path
     fsdp2_padding,
     fsdp2_params,
     git_state,
+    persistent_storages,
     ragged_padding,
     shard,
     write_results,
@@ -123,19 +124,18 @@ class Trainer:
     # ---- the systems --------------------------------------------------------------------
     def _raggedfsdp(self, model, mesh, spec) -> None:
         from raggedfsdp import BlockPolicy
-        from raggedfsdp.fsdp import buffers_of
 
         shard(model, mesh, "raggedfsdp", block_policy=BlockPolicy(rows=1))
         self.module, self.opt = model, _adamw(model.parameters(), spec)
         self.padding_groups = ragged_padding(model)
-        self.keep = [t for buf in buffers_of(model) for t in buf.storages()]
+        self.keep = persistent_storages(model, "raggedfsdp")
 
     def _fsdp2(self, model, mesh, spec) -> None:
         shard(model, mesh, "fsdp2")
         self.module, self.opt = model, _adamw(model.parameters(), spec)
         groups = fsdp2_params(model)
         self.padding_groups = {name: fsdp2_padding(ps, self.world) for name, ps in groups.items()}
-        self.keep = [t for params in groups.values() for p in params for t in p.all_gather_outputs]
+        self.keep = persistent_storages(model, "fsdp2")
 
     def _fsdp1(self, model, mesh, spec) -> None:
         import torch

@@ -48,6 +48,8 @@ from _common import (  # beside this script, so on sys.path
     fsdp2_params,
     gather_objects,
     header,
+    paired_ratios,
+    persistent_storages,
     ragged_padding,
     run_ranks,
     shard,
@@ -129,15 +131,7 @@ class Run:
 
     # ---- what the system keeps ------------------------------------------------------------
     def persistent_storages(self) -> list[torch.Tensor]:
-        """Storages the system allocated at ``fully_shard`` time and resizes afterwards."""
-        if self.system == "raggedfsdp":
-            return [t for buf in buffers_of(self.model) for t in buf.storages()]
-        return [
-            t
-            for params in fsdp2_params(self.model).values()
-            for p in params
-            for t in p.all_gather_outputs
-        ]
+        return persistent_storages(self.model, self.system)
 
     def padding(self) -> int:
         """Elements added to shard the parameters, summed over the groups."""
@@ -369,11 +363,7 @@ def _comm(c: dict, kind: str) -> tuple[int, int, int]:
 
 def _paired_ratios(r: dict, block: int) -> list[float]:
     """raggedfsdp / FSDP2 median step time of each round (the two adjacent blocks)."""
-    a, b = r["times"]["raggedfsdp"], r["times"]["fsdp2"]
-    return [
-        statistics.median(a[i : i + block]) / statistics.median(b[i : i + block])
-        for i in range(0, min(len(a), len(b)), block)
-    ]
+    return paired_ratios(r["times"]["raggedfsdp"], r["times"]["fsdp2"], block)
 
 
 def _summary_rows(r: dict, args) -> list[tuple[str, str, str, str]]:
