@@ -177,11 +177,21 @@ def _check_twice_unused_frozen(mesh, rank, world):
     fully_shard(model, mesh=mesh)
     g = torch.Generator().manual_seed(3)
     x = torch.randn(4 * world, 6, generator=g)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.1)
-    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
-    for _ in range(3):
+
+    def backward():
         ref(x).square().mean().backward()
         model(x[rank * 4 : (rank + 1) * 4]).square().mean().backward()
+
+    _adamw_matches_one_process(ref, model, backward, steps=3)
+
+
+def _adamw_matches_one_process(ref, model, backward, steps: int) -> None:
+    """``steps`` times: ``backward()`` (both models), then every gradient (or its absence)
+    and, after AdamW steps both, finally every parameter equal the one-process ones."""
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.1)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    for _ in range(steps):
+        backward()
         for (n, p), q in zip(ref.named_parameters(), model.parameters()):
             assert (p.grad is None) == (q.grad is None), n
             if p.grad is not None:
@@ -221,22 +231,13 @@ def _check_rank_divergent_use(mesh, rank, world):
     fully_shard(model, mesh=mesh)
     xs = torch.randn(world, 4, 6, generator=torch.Generator().manual_seed(5))
     user = world - 1  # the only rank that runs ``branch``
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.1)
-    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
-    for _ in range(2):
+
+    def backward():
         for r in range(world):
             ref(xs[r], r == user).square().mean().mul(1.0 / world).backward()
         model(xs[rank], rank == user).square().mean().backward()
-        for (n, p), q in zip(ref.named_parameters(), model.parameters()):
-            assert (p.grad is None) == (q.grad is None), n
-            if p.grad is not None:
-                torch.testing.assert_close(q.grad.full_tensor(), p.grad, msg=n)
-        ref_opt.step()
-        opt.step()
-        ref_opt.zero_grad()
-        opt.zero_grad()
-    for (n, p), q in zip(ref.named_parameters(), model.parameters()):
-        torch.testing.assert_close(q.full_tensor(), p.detach(), msg=n)
+
+    _adamw_matches_one_process(ref, model, backward, steps=2)
 
 
 def _check_flat_adamw_frozen(mesh, rank, world):
