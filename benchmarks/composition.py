@@ -1,11 +1,12 @@
-"""Composed meshes: raggedfsdp vs torch's FSDP2 on 1-D FSDP, HSDP and FSDP x TP, in one run.
+"""Composed meshes: raggedfsdp vs torch's FSDP2 on 1-D FSDP, HSDP, FSDP x TP and FSDP x EP.
 
     .venv/bin/python benchmarks/composition.py                          # 4 gloo ranks, both models
-    .venv/bin/python benchmarks/composition.py --steps 2 --warmup 1 --models llama-tiny  # smoke run
+    .venv/bin/python benchmarks/composition.py --steps 2 --warmup 1 --models moe-tiny \
+        --meshes fsdp hsdp fsdp_ep  # smoke run (the tiny models' 3 heads do not split over tp 2)
 
 Each rank builds every model twice from the same seed, once sharded by
 ``raggedfsdp.fully_shard`` and once by ``torch.distributed.fsdp.fully_shard``, on each
-of three meshes of the 4 gloo ranks (the same mesh object for both systems):
+of four meshes of the 4 gloo ranks (the same mesh object for both systems):
 
 - ``fsdp``: 1-D, ``(shard 4)``; each transformer block, then the root.
 - ``hsdp``: 2-D, ``(replicate 2, shard 2)``; each block, then the root, on the 2-D mesh.
@@ -14,9 +15,17 @@ of three meshes of the 4 gloo ranks (the same mesh object for both systems):
   ``feed_forward.w1/w3``; ``RowwiseParallel`` on ``attention.wo`` and
   ``feed_forward.w2``; the MoE model's experts stay data-parallel), then
   ``fully_shard(block, mesh=mesh["dp"])``, then the root on ``mesh["dp"]``.
+- ``fsdp_ep``: 2-D, ``(dp_mod_ep 2, ep 2)``, MoE models only (a dense model is skipped);
+  built as ``tests/dist/test_ep.py`` and torchtitan do: ``dp = mesh._flatten("dp")`` (all 4
+  ranks); in each MoE block ``expert_parallel(block.moe, mesh["ep"])`` (the stacked
+  experts ``Shard(0)`` over ``ep``, tokens exchanged by all-to-alls), then
+  ``fully_shard(block.moe.experts, mesh=mesh["dp_mod_ep"])`` with a gradient divide factor
+  of 4 and sum reduction; then ``fully_shard(block, mesh=dp)`` for every block and the
+  root on ``dp``.
 
 Every data-parallel coordinate takes its own rows of the same global batch (the two
-tp ranks of one dp coordinate the same rows). The two systems alternate in blocks of
+tp ranks of one dp coordinate the same rows; on ``fsdp_ep`` all 4 ranks are
+data-parallel). The two systems alternate in blocks of
 ``--block`` steps (ABBA order). Measured per system and mesh:
 
 - step time: forward, backward, ``opt.step()``, ``opt.zero_grad()`` between two
@@ -24,7 +33,8 @@ tp ranks of one dp coordinate the same rows). The two systems alternate in block
   CPU time of a step summed over the ranks' processes;
 - collectives per step by kind and by mesh dimension: ``raggedfsdp.profiling.CommCounter``
   subclassed to record each collective's process group, matched to the mesh
-  dimension whose group has the same ranks (``world``: all 4 ranks, on a 2-D mesh);
+  dimension whose group has the same ranks (``dp`` on ``fsdp_ep``: the flattened 4-rank
+  group; ``world``: all 4 ranks, on another 2-D mesh);
   bytes are an all-gather's output and any other collective's input, per rank;
 - peak memory per rank over one step (``MemTracker`` via
   ``raggedfsdp.profiling.peak_memory``, each system's persistent storages tracked);
@@ -63,11 +73,17 @@ from raggedfsdp.profiling import CommCounter, peak_memory
 from raggedfsdp.train.report import mib, ratio
 
 SYSTEMS = ("raggedfsdp", "fsdp2")
-MESHES = ("fsdp", "hsdp", "fsdp_tp")
+MESHES = ("fsdp", "hsdp", "fsdp_tp", "fsdp_ep")
 MESH_LABELS = {
     "fsdp": "FSDP (shard 4)",
     "hsdp": "HSDP (replicate 2, shard 2)",
     "fsdp_tp": "FSDP x TP (dp 2, tp 2)",
+    "fsdp_ep": "FSDP x EP (dp_mod_ep 2, ep 2)",
+}
+MESH_NAMES = {
+    "hsdp": ("replicate", "shard"),
+    "fsdp_tp": ("dp", "tp"),
+    "fsdp_ep": ("dp_mod_ep", "ep"),
 }
 
 
@@ -78,8 +94,14 @@ def make_mesh(kind: str, world: int):
 
     if kind == "fsdp":
         return init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
-    names = ("replicate", "shard") if kind == "hsdp" else ("dp", "tp")
-    return init_device_mesh("cpu", (2, world // 2), mesh_dim_names=names)
+    return init_device_mesh("cpu", (2, world // 2), mesh_dim_names=MESH_NAMES[kind])
+
+
+def runs_on(model_name: str, kind: str) -> bool:
+    """Whether the mesh ``kind`` applies to the model: expert parallelism needs experts."""
+    from raggedfsdp.models import get_config
+
+    return kind != "fsdp_ep" or get_config(model_name).n_experts > 0
 
 
 def tp_plan(model_name: str) -> dict:
@@ -111,11 +133,23 @@ def build(system: str, model_name: str, kind: str, mesh, args) -> torch.nn.Modul
         from raggedfsdp import fully_shard
     else:
         from torch.distributed.fsdp import fully_shard
+    from raggedfsdp.models.transformer import expert_parallel
+
     model = Transformer(get_config(model_name), max_seq_len=args.seq, seed=args.seed)
-    fsdp_mesh = mesh["dp"] if kind == "fsdp_tp" else mesh
+    if kind == "fsdp_ep":
+        fsdp_mesh = mesh._flatten("dp")  # all data-parallel ranks (torchtitan's dp_shard)
+    else:
+        fsdp_mesh = mesh["dp"] if kind == "fsdp_tp" else mesh
     for block in model.transformer_blocks():
         if kind == "fsdp_tp":
             parallelize_module(block, mesh["tp"], tp_plan(model_name))
+        if kind == "fsdp_ep" and block.is_moe:
+            expert_parallel(block.moe, mesh["ep"])
+            fully_shard(block.moe.experts, mesh=mesh["dp_mod_ep"])
+            # the experts' gradients sum the tokens of every ep rank: divide by all of them
+            # (a sum, then the division: FSDP2's pre-multiplied sum does not run on gloo)
+            block.moe.experts.set_gradient_divide_factor(args.world)
+            block.moe.experts.set_force_sum_reduction_for_comms(True)
         fully_shard(block, mesh=fsdp_mesh)
     fully_shard(model, mesh=fsdp_mesh)
     return model
@@ -125,7 +159,7 @@ def data_coordinate(kind: str, mesh, rank: int, world: int) -> tuple[int, int]:
     """``(index, count)`` of this rank's data-parallel coordinate: whose rows it takes."""
     if kind == "fsdp_tp":
         return mesh["dp"].get_local_rank(), mesh["dp"].size()
-    return rank, world  # every rank is data-parallel on the 1-D and HSDP meshes
+    return rank, world  # every rank is data-parallel on the 1-D, HSDP and EP meshes
 
 
 # ---- collectives by mesh dimension ----------------------------------------------------------
@@ -172,12 +206,22 @@ class DimCommCounter(CommCounter):
         return out
 
 
-def mesh_dims(mesh) -> dict[frozenset[int], str]:
-    """``{ranks of this rank's group along a dimension: the dimension's name}``."""
-    return {
-        frozenset(dist.get_process_group_ranks(mesh.get_group(name))): name
-        for name in mesh.mesh_dim_names
-    }
+def mesh_dims(mesh, kind: str) -> dict[frozenset[int], str]:
+    """``{ranks of this rank's group along a dimension: the dimension's name}``.
+
+    On ``fsdp_ep`` the flattened ``dp`` (all 4 ranks) is a dimension too. Dimensions whose
+    groups hold the same ranks (none on the 2 x 2 meshes: ``dp_mod_ep`` is {0, 2} or
+    {1, 3}, ``ep`` {0, 1} or {2, 3}) share one name, ``"a = b"``, rather than one hiding
+    the other.
+    """
+    groups = {name: mesh.get_group(name) for name in mesh.mesh_dim_names}
+    if kind == "fsdp_ep":
+        groups["dp"] = mesh._flatten("dp").get_group()
+    dims: dict[frozenset[int], str] = {}
+    for name, group in groups.items():
+        ranks = frozenset(dist.get_process_group_ranks(group))
+        dims[ranks] = f"{dims[ranks]} = {name}" if ranks in dims else name
+    return dims
 
 
 # ---- one system on one mesh -----------------------------------------------------------------
@@ -220,14 +264,14 @@ class Run:
             self.cpu.append(cpu)
         loss = loss.detach()
         dist.all_reduce(loss)  # the tp ranks of one dp coordinate hold the same loss
-        self.losses.append(loss.item() / self.world)
+        self.losses.append(loss.item() / self.world)  # the mean over all ranks
         self.step_index += 1
 
     def persistent_storages(self) -> list[torch.Tensor]:
         return persistent_storages(self.model, self.system)
 
     def count_step(self) -> dict:
-        comms = DimCommCounter(mesh_dims(self.mesh))
+        comms = DimCommCounter(mesh_dims(self.mesh, self.kind))
         self.step(around=lambda: comms)
         return comms.by_dim()
 
@@ -243,6 +287,8 @@ def _rank_main(rank: int, world: int, save, args) -> None:
     results: dict = {}
     for model_name in args.models:
         for kind, mesh in meshes.items():
+            if not runs_on(model_name, kind):
+                continue  # the report names what was skipped
             if rank == 0:
                 print(f"{model_name} on {kind}", flush=True)
             runs = {s: Run(s, model_name, kind, mesh, args, rank, world, data) for s in SYSTEMS}
@@ -368,28 +414,39 @@ def _raw_numbers(name: str, kind: str, r: dict) -> list[str]:
 
 def report(results: dict, args, command: str, seconds: float, load: list) -> str:
     """The page: configuration, the summary table, the analysis (kept), the raw numbers."""
-    lines = header("Composed meshes: raggedfsdp vs FSDP2 on FSDP, HSDP and FSDP x TP", command,
-                   seconds)  # fmt: skip
+    lines = header("Composed meshes: raggedfsdp vs FSDP2 on FSDP, HSDP, FSDP x TP and FSDP x EP",
+                   command, seconds)  # fmt: skip
+    skipped = (
+        [m for m in args.models if not runs_on(m, "fsdp_ep")] if "fsdp_ep" in args.meshes else []
+    )
+    skip_note = f" ({', '.join(skipped)}: no experts, skipped on FSDP x EP)" if skipped else ""
     lines += [
         f"Configuration: {args.world} gloo ranks on {os.cpu_count()} CPU cores (1 thread each), "
         f"fp32, torch AdamW (lr {args.lr}, weight decay 0.1), no gradient clipping, global batch "
         f"{args.batch} x {args.seq} tokens (rows split over the data-parallel coordinates: 4 on "
-        f"FSDP and HSDP, 2 on FSDP x TP, where both tp ranks of a dp coordinate take the same "
-        f"rows), seed {args.seed}. Meshes: FSDP `(shard 4)`; HSDP `(replicate 2, shard 2)`, "
-        f"`fully_shard(block, mesh=mesh)` per block then the root; FSDP x TP `(dp 2, tp 2)`, "
-        f"per block `parallelize_module(block, mesh['tp'], plan)` (ColwiseParallel on "
-        f"attention.wq/wk/wv and, llama only, feed_forward.w1/w3; RowwiseParallel on "
-        f"attention.wo and, llama only, feed_forward.w2; the MoE model's FFNs and experts stay "
-        f"data-parallel) then `fully_shard(block, mesh=mesh['dp'])`, then the root on "
-        f"`mesh['dp']`. The catalogue configs' 6 query and 2 key/value heads split over tp 2 "
-        f"as they are. Both systems use the same mesh object, defaults otherwise. "
-        f"{args.warmup} warm-up steps each, then {args.steps} timed steps each in blocks of "
-        f"{args.block}, alternating ABBA; then one step under the per-dimension CommCounter and "
-        f"one under MemTracker for each. Bytes are rank 0's per step (an all-gather's output, "
-        f"any other collective's input); `world` is a collective over all 4 ranks on a 2-D "
-        f"mesh. A step is forward, backward, `opt.step()`, `opt.zero_grad()`, timed between "
-        f"two barriers. Load average (1 min) before / after the run: {load[0]:.2f} / "
-        f"{load[1]:.2f}.",
+        f"FSDP, HSDP and FSDP x EP, 2 on FSDP x TP, where both tp ranks of a dp coordinate take "
+        f"the same rows), seed {args.seed}. Meshes: FSDP `(shard 4)`; HSDP "
+        f"`(replicate 2, shard 2)`, `fully_shard(block, mesh=mesh)` per block then the root; "
+        f"FSDP x TP `(dp 2, tp 2)`, per block `parallelize_module(block, mesh['tp'], plan)` "
+        f"(ColwiseParallel on attention.wq/wk/wv and, llama only, feed_forward.w1/w3; "
+        f"RowwiseParallel on attention.wo and, llama only, feed_forward.w2; the MoE model's FFNs "
+        f"and experts stay data-parallel) then `fully_shard(block, mesh=mesh['dp'])`, then the "
+        f"root on `mesh['dp']`; FSDP x EP `(dp_mod_ep 2, ep 2)`, MoE models only{skip_note}, "
+        f"built as `tests/dist/test_ep.py` and torchtitan do: `dp = mesh._flatten('dp')` (all 4 "
+        f"ranks); in each MoE block `expert_parallel(block.moe, mesh['ep'])` (the stacked "
+        f"experts split over ep, tokens exchanged by all-to-alls), then "
+        f"`fully_shard(block.moe.experts, mesh=mesh['dp_mod_ep'])` with "
+        f"`set_gradient_divide_factor({args.world})` and "
+        f"`set_force_sum_reduction_for_comms(True)`; then `fully_shard(block, mesh=dp)` for "
+        f"every block and the root on `dp`. The catalogue configs' 6 query and 2 key/value "
+        f"heads split over tp 2 as they are. Both systems use the same mesh object, defaults "
+        f"otherwise. {args.warmup} warm-up steps each, then {args.steps} timed steps each in "
+        f"blocks of {args.block}, alternating ABBA; then one step under the per-dimension "
+        f"CommCounter and one under MemTracker for each. Bytes are rank 0's per step (an "
+        f"all-gather's output, any other collective's input); `world` is a collective over all "
+        f"4 ranks on the HSDP and TP meshes; on FSDP x EP the 4-rank group is `dp`. A step is "
+        f"forward, backward, `opt.step()`, `opt.zero_grad()`, timed between two barriers. Load "
+        f"average (1 min) before / after the run: {load[0]:.2f} / {load[1]:.2f}.",
         "",
         "## Summary",
         "",
@@ -423,6 +480,17 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     if args.world % 2 or args.batch % args.world:
         parser.error(f"--world must be even and divide --batch, got {args.world}, {args.batch}")
+    if "fsdp_tp" in args.meshes:
+        from raggedfsdp.models import get_config
+
+        tp = args.world // 2
+        configs = [get_config(m) for m in args.models]
+        if bad := [c.name for c in configs if c.n_heads % tp or c.n_kv_heads % tp]:
+            parser.error(
+                f"--meshes fsdp_tp splits the attention heads over tp {tp}, but {', '.join(bad)} "
+                f"have query / key-value heads that tp {tp} does not divide; drop fsdp_tp from "
+                "--meshes or choose other --models"
+            )
     command = " ".join([".venv/bin/python", "benchmarks/composition.py", *sys.argv[1:]])
     print(command, flush=True)
     t0, load = time.perf_counter(), [os.getloadavg()[0]]

@@ -154,6 +154,7 @@ class ParamGroup:
         self._partial_reduce: torch.Tensor | None = None  # 1D, S: reduced, not all-reduced
         for ref, p in zip(refs, originals):
             ref.tp = tp_spec_of(ref.fqn, p, mesh)
+        held = list(originals)  # as the module holds them: what block policies see
         # What the group lays out: each parameter's local tensor (its TP piece, if any).
         originals = [p.to_local() if ref.tp is not None else p for ref, p in zip(refs, originals)]
         dtypes = {p.dtype for p in originals}
@@ -178,13 +179,13 @@ class ParamGroup:
         self.compute_dtype = mp_policy.param_dtype or self.dtype
         self.reduce_dtype = mp_policy.reduce_dtype or self.compute_dtype
         specs = []
-        for ref, p in zip(refs, originals):
+        for ref, p, as_held in zip(refs, originals, held):
             if p.dim() == 0:
                 raise NotImplementedError(
                     f"fully_shard: parameter {ref.fqn!r} is 0-d; RaggedShard cuts dims: pass it "
                     "in ignored_params or make it shape (1,)"
                 )
-            rows = resolve_block_rows(block_policy, ref.fqn, p)
+            rows = resolve_block_rows(block_policy, ref.fqn, as_held)
             specs.append(
                 TensorSpec(name=ref.fqn, shape=tuple(p.shape), block_rows=rows, stack=p.dim() >= 3)
             )

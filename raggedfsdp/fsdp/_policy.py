@@ -8,6 +8,7 @@ from typing import Literal, Union
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from raggedfsdp.planner import WHOLE
 
@@ -50,7 +51,10 @@ class BlockPolicy:
     """How many rows form a block, the unit a shard boundary never splits.
 
     A row is one row of the parameter seen as ``[numel / last_dim, last_dim]``; for
-    a stacked ``[E, out, in]`` tensor, a row of one member.
+    a stacked ``[E, out, in]`` tensor, a row of one member. A block policy (this class
+    or any ``(fqn, param) -> rows``) is called with the parameter as the module holds
+    it: under FSDP x TP the TP DTensor, whose rows are counted in its local tensor
+    (what the RaggedShard cuts; see [Note: FSDP x TP] in ``_tp.py``).
 
     Args:
         rows: rows per block for every parameter: a positive int, or ``"whole"``
@@ -91,14 +95,20 @@ def _check_rows(value, where: str) -> None:
 
 
 def param_rows(param: torch.Tensor) -> int:
-    """Rows of ``param`` seen as ``[numel / last_dim, last_dim]`` (members' rows for stacks)."""
+    """Rows of ``param`` seen as ``[numel / last_dim, last_dim]`` (members' rows for stacks);
+    of its local tensor for a DTensor (the TP piece that fully_shard cuts)."""
+    if isinstance(param, DTensor):
+        param = param.to_local()
     if param.dim() <= 1:
         return 1
     return param.numel() // param.shape[-1]
 
 
 def member_rows(param: torch.Tensor) -> int:
-    """Rows of one member of a stacked ``[E, out, in]`` tensor; ``param_rows`` otherwise."""
+    """Rows of one member of a stacked ``[E, out, in]`` tensor; ``param_rows`` otherwise
+    (of the local tensor for a DTensor)."""
+    if isinstance(param, DTensor):
+        param = param.to_local()
     return param_rows(param) // (param.shape[0] if param.dim() >= 3 else 1)
 
 
@@ -114,8 +124,10 @@ def resolve_block_rows(
         return rows
     rows_per_member = member_rows(param)
     if rows_per_member % rows:
+        local = param.to_local() if isinstance(param, DTensor) else param
+        shape = ("local shape " if local is not param else "shape ") + str(tuple(local.shape))
         raise ValueError(
-            f"fully_shard: parameter {fqn!r} of shape {tuple(param.shape)} has {rows_per_member} "
+            f"fully_shard: parameter {fqn!r} of {shape} has {rows_per_member} "
             f"rows, not a multiple of its block of {rows} rows; pass a block_policy whose "
             f"rows divide {rows_per_member}, or 'whole'"
         )

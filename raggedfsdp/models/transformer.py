@@ -137,9 +137,17 @@ class Attention(nn.Module):
     def forward(self, x: Tensor, rope: Tensor) -> Tensor:
         B, S, _ = x.shape  # x: (B, S, D)
         # -1 heads: under tensor parallelism (wq/wk/wv column-wise) a rank holds its heads
-        q = self.wq(x).view(B, S, -1, self.head_dim)
-        k = self.wk(x).view(B, S, -1, self.head_dim)
-        v = self.wv(x).view(B, S, -1, self.head_dim)
+        q, k, v = self.wq(x), self.wk(x), self.wv(x)
+        if q.shape[-1] % self.head_dim or k.shape[-1] % self.head_dim:
+            raise ValueError(
+                f"Attention: this rank's query / key projections give {q.shape[-1]} / "
+                f"{k.shape[-1]} features, not whole heads of {self.head_dim}; under tensor "
+                f"parallelism the tp size must divide n_heads ({self.n_heads}) and n_kv_heads "
+                f"({self.n_kv_heads}): choose a tp size that divides both"
+            )
+        q = q.view(B, S, -1, self.head_dim)
+        k = k.view(B, S, -1, self.head_dim)
+        v = v.view(B, S, -1, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, rope), apply_rotary(k, rope)

@@ -224,7 +224,8 @@ class FlatOptimizer(torch.optim.Optimizer):
     - ``_init_state(p, state)``: fill ``p``'s fresh state (it has ``"step"``);
     - ``_step_whole(whole)``: update a whole buffer;
     - ``_step_param(p, group, step)``: update one parameter;
-    - ``_load_hint()``: what to tell a user whose loaded state does not fit.
+    - ``_load_hint()``: what to tell a user whose loaded state does not fit;
+    - ``_check_new(p)``: raise, before any step, for a parameter it cannot step.
 
     It keeps the flat state of each buffer in ``self._flat`` (keyed by ``BufferView``).
 
@@ -250,6 +251,10 @@ class FlatOptimizer(torch.optim.Optimizer):
     def _load_hint(self) -> str:
         return ""
 
+    def _check_new(self, p: Tensor) -> None:
+        """Raise if ``p`` (without state yet) cannot be stepped; runs for every such
+        parameter before any is touched, so a bad one leaves all unchanged."""
+
     # ---- step -----------------------------------------------------------------------------
     @torch.no_grad()
     def step(self, closure=None):
@@ -257,9 +262,11 @@ class FlatOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._step_items(
-            [(p, g) for g in self.param_groups for p in g["params"] if p.grad is not None]
-        )
+        items = [(p, g) for g in self.param_groups for p in g["params"] if p.grad is not None]
+        for p, _ in items:
+            if not self.state.get(p):
+                self._check_new(p)
+        self._step_items(items)
         return loss
 
     def _step_items(self, items: list[Item]) -> None:

@@ -27,10 +27,28 @@ scales; no block crosses a rank boundary on either mesh dim.
 
 The state seen by ``state_dict`` and DCP is per parameter: ``exp_avg_codes`` and
 ``exp_avg_sq_codes`` (uint8, placed like the parameter) and ``exp_avg_scales`` /
-``exp_avg_sq_scales`` (fp32, shape ``[scales]``, a 1-D ``RaggedShard`` whose
-``local_units`` are each shard rank's scale counts; under HSDP placed
-``(Replicate(), RaggedShard)``), so a checkpoint reshards codes and
-scales together by global position, with no requantization.
+``exp_avg_sq_scales`` (fp32). The scales of a parameter whose rows are whole blocks
+(the last dim a multiple of B) form a grid: its shape with the last dim counted in
+blocks (``scale_grid``; ``(4096, 4096)`` gives ``(4096, 16)``), placed exactly like
+the parameter. Otherwise they are 1-D, ``[scales]``, a ``RaggedShard`` whose
+``local_units`` are each shard rank's scale counts (under HSDP placed ``(Replicate(),
+RaggedShard)``). Either way a checkpoint reshards codes and scales together by global
+position, with no requantization.
+
+[Note: 8-bit states under TP and EP]
+Under FSDP x TP a parameter is ``(Shard(d), ..., RaggedShard)`` on the ``(tp, *dp)``
+mesh, and the RaggedShard cuts the TP-local piece. The blocks stay those of one
+process (B elements from the parameter's or member's start) when the tp cut leaves
+each rank whole blocks: the piece is made of runs of ``prod(local_shape[d:])``
+contiguous elements of the global tensor, and each run must be a multiple of B
+(checked, with the fix named: a smaller ``block_size``). Then the piece's blocks,
+counted from its own start, are the global blocks in order, each rank quantizes its
+own, and codes and scales are bit-identical to one process with no communication. A
+stack ``[E, out, in]`` sharded ``Shard(0)`` over ``ep`` holds whole members, always
+whole blocks. Row-wise TP (``Shard(1)`` of a matrix) needs rows of a multiple of B
+elements per tp rank, and its scales are then the grid, cut ``Shard(1)`` like the
+parameter; column-wise (``Shard(0)``) cuts 1-D scales ``Shard(0)`` as well. The block
+policy sees the TP DTensor: 8-bit or not by the global shape, rows of the local piece.
 
 For parameters sharded by ``fully_shard`` the codes live in two flat uint8 tensors
 of S elements (like the buffer's shard storage) and the scales in two flat fp32
@@ -47,8 +65,9 @@ import math
 from dataclasses import dataclass, field
 
 import torch
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from raggedfsdp._dtensor_ext import ragged_axis, ragged_piece
 from raggedfsdp.fsdp import BufferView, buffer_of
 from raggedfsdp.optim._flat import FlatOptimizer, WholeStep, check_hyper, like_param, local
 from raggedfsdp.optim._quant import (
@@ -60,7 +79,13 @@ from raggedfsdp.optim._quant import (
 )
 from raggedfsdp.placement import RaggedShard
 
-__all__ = ["AdamW8bit", "AdamW8bitBlockPolicy", "adamw8bit_block_policy", "is_8bit_eligible"]
+__all__ = [
+    "AdamW8bit",
+    "AdamW8bitBlockPolicy",
+    "adamw8bit_block_policy",
+    "is_8bit_eligible",
+    "scale_grid",
+]
 
 DEFAULT_BLOCK_SIZE = 256
 DEFAULT_MIN_8BIT_SIZE = 4096
@@ -102,7 +127,9 @@ class AdamW8bitBlockPolicy:
     start. When ``k`` does not divide the parameter's (member's) rows, ``fully_shard``
     cannot use it, and the parameter is kept whole (``"whole"``: one rank holds the
     whole tensor, or each whole member of a stack): always aligned, but it may cost
-    balance. Parameters that keep fp32 moments get blocks of one row.
+    balance. Parameters that keep fp32 moments get blocks of one row. Under FSDP x TP
+    the parameter is the TP DTensor: 8-bit or not by its global shape, ``L`` and the
+    rows those of its local tensor (see [Note: 8-bit states under TP and EP]).
 
     Args:
         block_size: B, elements per quantization block. Default 256.
@@ -123,9 +150,12 @@ class AdamW8bitBlockPolicy:
         _check_sizes("AdamW8bitBlockPolicy", self.block_size, self.min_8bit_size)
 
     def __call__(self, fqn: str, param: torch.Tensor):
-        shape = tuple(param.shape)
-        if len(shape) <= 1 or not is_8bit_eligible(shape, self.block_size, self.min_8bit_size):
+        if len(param.shape) <= 1 or not is_8bit_eligible(
+            tuple(param.shape), self.block_size, self.min_8bit_size
+        ):
             return 1  # a 1-D tensor is one row, always whole; fp32 moments need no alignment
+        # eligibility from the global shape, rows from the local tensor the RaggedShard cuts
+        shape = tuple((param.to_local() if isinstance(param, DTensor) else param).shape)
         row = shape[-1]
         member_rows = math.prod(shape) // row // _members(shape)
         rows = self.block_size // math.gcd(self.block_size, row)
@@ -158,64 +188,116 @@ def adamw8bit_block_policy(
 
 
 # ---- where a parameter's quantization blocks lie ---------------------------------------------
+def scale_grid(shape, block_size: int = DEFAULT_BLOCK_SIZE) -> tuple[int, ...] | None:
+    """The shape of an 8-bit parameter's scales when its rows hold whole quantization
+    blocks: the parameter's shape, its last dim counted in blocks; None (1-D scales of
+    ``[scales]``) otherwise. See [Note: 8-bit states under TP and EP]."""
+    shape = tuple(shape)
+    if len(shape) >= 2 and shape[-1] % block_size == 0:
+        return (*shape[:-1], shape[-1] // block_size)
+    return None
+
+
 @dataclass(frozen=True, eq=False)
 class _ParamQuant:
     """One 8-bit parameter: its blocks on this rank and its scales' global layout."""
 
-    numel: int
-    member_numel: int
-    lo: int  # this rank's elements [lo, hi) of the flattened tensor
+    numel: int  # of the piece this rank's blocks are counted in (the TP-local piece)
+    member_numel: int  # of one member of that piece
+    lo: int  # this rank's elements [lo, hi) of the flattened piece
     hi: int
     n_scales: int  # global
-    scale_lo: int  # this rank's scales [scale_lo, scale_hi)
+    grid: tuple[int, ...] | None  # the scales' global shape, if not (n_scales,)
+    block_size: int
+    scale_lo: int  # this rank's scales [scale_lo, scale_hi) of the piece's
     scale_hi: int
     scale_units: tuple[int, ...] | None  # scales per rank when RaggedShard, else None
     blocks: Blocks
     ragged_dim: int | None = None  # the mesh dim the RaggedShard cuts (None: not sharded)
 
     def scale_placements(self, placements: tuple) -> list:
-        """The scales' placements: the parameter's, its RaggedShard made one over scales."""
+        """The scales' placements: the parameter's when the scales are a grid (cut as the
+        parameter), else its RaggedShard made one over the 1-D scales."""
         out = list(placements)
-        if self.ragged_dim is not None:
+        if self.ragged_dim is not None and self.grid is None:
             out[self.ragged_dim] = RaggedShard(dims=(0,), local_units=self.scale_units)
         return out
+
+    def local_scales(self, scales: torch.Tensor, local_shape) -> torch.Tensor:
+        """This rank's flat ``scales`` shaped as its piece of the scales (a view)."""
+        if self.grid is None:
+            return scales
+        return scales.view(*local_shape[:-1], local_shape[-1] // self.block_size)
+
+
+def _check_tp_cut(name: str, shape, piece_shape, cut, axis, block: int, grid) -> None:
+    """Raise unless the Shard ``cut`` (tensor or expert parallelism) leaves each rank whole
+    quantization blocks whose scales can be placed like the parameter."""
+    if len(shape) >= 3 and cut.dim == 0:
+        return  # whole members of a stack (experts over ep): blocks count from each member
+    run = math.prod(piece_shape[cut.dim :])  # contiguous elements of the global tensor
+    where = f"AdamW8bit: parameter {name!r} of shape {shape} is placed {cut} on mesh dim {axis!r}"
+    if run % block:
+        raise ValueError(
+            f"{where}: a rank holds runs of {run} elements of it, not whole quantization blocks "
+            f"of {block} elements, so blocks would span ranks of that dim; pass a block_size "
+            f"that divides {run} (e.g. {math.gcd(run, block)}) to AdamW8bit and to "
+            "adamw8bit_block_policy"
+        )
+    if cut.dim > 0 and grid is None:
+        raise NotImplementedError(
+            f"{where}: its rows of {shape[-1]} elements are not whole quantization blocks of "
+            f"{block}, so its scales cannot be cut as the parameter is; pass a block_size that "
+            f"divides {shape[-1]}"
+        )
 
 
 def _param_quant(name: str, p: torch.Tensor, block: int) -> _ParamQuant:
     """Where ``p``'s quantization blocks lie; raises if a rank boundary splits one."""
     shape = tuple(p.shape)
-    numel = math.prod(shape)
-    member = numel // _members(shape)
+    grid = scale_grid(shape, block)
+    n_scales = _members(shape) * -(-math.prod(shape) // _members(shape) // block)
+    # Only a RaggedShard cuts the piece the blocks are counted in; a Shard before it (TP,
+    # EP) leaves each rank a piece of whole blocks (checked), and every other mesh dim
+    # (Replicate, HSDP's replicate dim) the whole of what its shard rank is given.
+    piece_shape, cuts, rank, dim, on = shape, None, 0, None, ""
+    if isinstance(p, DTensor):
+        placements, mesh = tuple(p.placements), p.device_mesh
+        names = mesh.mesh_dim_names or tuple(range(mesh.ndim))
+        tp = [(i, q) for i, q in enumerate(placements) if type(q) is Shard]
+        try:
+            found = ragged_axis(placements)
+        except (ValueError, NotImplementedError):
+            found = None
+        plain = all(isinstance(q, Replicate) for q in placements)
+        if not plain and (found is None or len(tp) > 1):
+            raise NotImplementedError(
+                f"AdamW8bit: parameter {name!r} is a DTensor with placements {placements}; "
+                f"8-bit states need whole quantization blocks on every rank, which "
+                f"RaggedShard on the mesh's last dim, Replicate and one tensor- or "
+                f"expert-parallel Shard before it give: shard it with "
+                f"raggedfsdp.fully_shard(..., block_policy=adamw8bit_block_policy({block})), "
+                f"or pass plain or replicated tensors"
+            )
+        if found is not None:
+            piece = ragged_piece(shape, mesh, placements)
+            for i, q in tp:
+                _check_tp_cut(name, shape, piece.shape, q, names[i], block, grid)
+            piece_shape, dim, rank = piece.shape, piece.axis, piece.coord
+            rs, numel = piece.rs, math.prod(piece.shape)
+            row = rs.row_numel(piece_shape)
+            cuts = [rs.local_row_range(piece_shape, r)[0] * row for r in range(rs.world_size)]
+            cuts.append(numel)
+            if mesh.ndim > 1:
+                on = f" on mesh dim {names[dim]!r}"
+    numel = math.prod(piece_shape)
+    member = numel // _members(piece_shape)
     per_member = -(-member // block)
+    cuts = cuts or [0, numel]
 
     def scale_index(elem: int) -> int:  # first scale at or after an aligned element
         return (elem // member) * per_member + -(-(elem % member) // block)
 
-    # Only a RaggedShard cuts: on every other mesh dim (Replicate, HSDP's replicate dim)
-    # each rank holds the whole of what the RaggedShard gave its shard rank.
-    cuts, rank, dim, on = [0, numel], 0, None, ""
-    if isinstance(p, DTensor):
-        placements, mesh = tuple(p.placements), p.device_mesh
-        ragged = [d for d, pl in enumerate(placements) if isinstance(pl, RaggedShard)]
-        replicated = all(
-            isinstance(pl, Replicate) for d, pl in enumerate(placements) if d not in ragged
-        )
-        if len(ragged) == 1 and replicated:  # FSDP (RaggedShard,), HSDP (Replicate(), RaggedShard)
-            dim = ragged[0]
-            placement, world = placements[dim], mesh.size(dim)
-            rank = mesh.get_local_rank(dim)
-            row = placement.row_numel(shape)
-            cuts = [placement.local_row_range(shape, r)[0] * row for r in range(world)] + [numel]
-            if mesh.ndim > 1:
-                on = f" on mesh dim {(mesh.mesh_dim_names or range(mesh.ndim))[dim]!r}"
-        elif ragged or not replicated:
-            raise NotImplementedError(
-                f"AdamW8bit: parameter {name!r} is a DTensor with placements {placements}; "
-                f"8-bit states need whole quantization blocks on every rank, which "
-                f"RaggedShard on one mesh dim and Replicate on the others give: shard it with "
-                f"raggedfsdp.fully_shard(..., block_policy=adamw8bit_block_policy({block})), "
-                f"or pass plain or replicated tensors"
-            )
     for r, cut in enumerate(cuts[:-1]):
         if (cut % member) % block:
             where = "its member's start" if member != numel else "its start"
@@ -236,7 +318,9 @@ def _param_quant(name: str, p: torch.Tensor, block: int) -> _ParamQuant:
         member_numel=member,
         lo=lo,
         hi=hi,
-        n_scales=scale_index(numel),
+        n_scales=n_scales,
+        grid=grid,
+        block_size=block,
         scale_lo=scale_index(lo),
         scale_hi=scale_index(hi),
         scale_units=units,
@@ -246,11 +330,15 @@ def _param_quant(name: str, p: torch.Tensor, block: int) -> _ParamQuant:
 
 
 def _scales_like(scales: torch.Tensor, p: torch.Tensor, pq: _ParamQuant) -> torch.Tensor:
-    """This rank's ``scales`` of ``p`` as a 1-D DTensor of all its scales (itself if plain)."""
+    """This rank's flat ``scales`` of ``p`` as its state: shaped as ``pq.grid`` (or 1-D),
+    a DTensor of all its scales placed as ``pq.scale_placements`` for a DTensor ``p``."""
+    scales = pq.local_scales(scales, local(p).shape)
     if not isinstance(p, DTensor):
         return scales
+    shape = pq.grid or (pq.n_scales,)
+    stride = tuple(math.prod(shape[d + 1 :]) for d in range(len(shape)))
     placements = pq.scale_placements(tuple(p.placements))
-    return DTensor.from_local(scales, p.device_mesh, placements, shape=(pq.n_scales,), stride=(1,))
+    return DTensor.from_local(scales, p.device_mesh, placements, shape=shape, stride=stride)
 
 
 # ---- flat state of one fully_shard buffer ----------------------------------------------------
@@ -271,8 +359,9 @@ class AdamW8bit(FlatOptimizer):
 
     See [Note: 8-bit states under RaggedShard]. Parameters may be plain tensors,
     replicated DTensors, or RaggedShard DTensors whose ranks hold whole quantization
-    blocks (``fully_shard`` with ``adamw8bit_block_policy``, on a 1-D mesh or HSDP's
-    ``(replicate, shard)`` mesh). The update: dequantize,
+    blocks (``fully_shard`` with ``adamw8bit_block_policy``, on a 1-D mesh, HSDP's
+    ``(replicate, shard)`` mesh, or beside tensor / expert parallelism: see [Note:
+    8-bit states under TP and EP]). The update: dequantize,
     the AdamW step in fp32 (the new moments, not their codes, make the update),
     requantize.
 
@@ -287,7 +376,7 @@ class AdamW8bit(FlatOptimizer):
         ValueError: a hyperparameter out of range, naming it; at the first step, a
             parameter whose shards split a quantization block.
         NotImplementedError: at the first step, a DTensor parameter placed other than
-            RaggedShard on one mesh dim and Replicate on the others.
+            RaggedShard on the mesh's last dim, Replicate and one Shard before it.
     """
 
     def __init__(
@@ -394,6 +483,10 @@ class AdamW8bit(FlatOptimizer):
             state[f"{key}_codes"] = like_param(codes, p)
             state[f"{key}_scales"] = _scales_like(scales, p, pq)
 
+    def _check_new(self, p: torch.Tensor) -> None:
+        if self.is_8bit(p):
+            _param_quant(self._name(p), p, self.block_size)  # raises where a rank cuts a block
+
     def _param_quant_of(self, p: torch.Tensor) -> _ParamQuant:
         found = buffer_of(p)
         if found is not None:
@@ -457,7 +550,7 @@ class AdamW8bit(FlatOptimizer):
         pq = self._param_quant_of(p)
         maps = (dynamic_tree_map(True, param.device), dynamic_tree_map(False, param.device))
         codes = [local(state[f"{key}_codes"]).view(-1) for key in _MOMENTS]
-        scales = [local(state[f"{key}_scales"]) for key in _MOMENTS]
+        scales = [local(state[f"{key}_scales"]).view(-1) for key in _MOMENTS]
         m, v = (dequantize(c, s, pq.blocks, q) for c, s, q in zip(codes, scales, maps))
         _moments(m, v, grad, beta1, beta2)
         _update(param, m, v, step, lr, beta1, beta2, eps)

@@ -47,9 +47,28 @@ runs the same NS on the same values, so the replicas' parameters stay identical
 and no byte crosses the replicate dim. (Spreading the NS over all ``R x S`` ranks
 would divide each rank's NS work by up to ``R``, at the price of sending pieces
 and results across the replicate dim: between nodes, in the usual HSDP layout.)
-``BufferView.process_group`` is the same shard-dim group. One Muon optimizer
-handles the sharded matrices of one mesh (make one per mesh); meshes of more than
-2 dims are refused.
+``BufferView.process_group`` is the same shard-dim group.
+
+[Note: Muon under TP and EP]
+Under FSDP x TP a parameter lives on the ``(tp, *dp dims)`` mesh placed ``(Shard(d),
+..., RaggedShard)`` (see [Note: FSDP x TP] in ``fsdp/_tp.py``): the RaggedShard cuts
+the rows of the *TP-local* tensor. The plan above runs unchanged over the shard dim
+on the TP-local matrices: every rank of one tp group has the same dp coordinate, the
+same TP-local shapes and the same plan, so the ranks of a tp group are dp-roots of the
+same matrices in the same round, each for its own TP piece. Then a second stage
+crosses tp: each such matrix gets a tp root (the same greedy balance over the tp
+ranks, largest first), one all-to-all over tp brings it the other TP pieces, it runs
+NS on the whole matrix (the pieces concatenated along the cut dim) and a second
+all-to-all returns each tp rank its piece of the result. So every matrix has one
+root on the whole ``tp x shard`` grid, and the learning-rate adjustment uses the
+whole matrix's shape. The tp stage of a round runs synchronously (the shard-dim
+gathers of later rounds are already in flight). A stacked ``[E, out, in]`` parameter
+sharded ``Shard(0)`` over ``ep`` (FSDP x EP) holds whole members: no tp stage.
+``Replicate()`` on a tp axis means every tp rank computes its own copy, as replicas
+do. Parameters are planned per shard-dim process group (``fully_shard(experts,
+mesh=dp_mod_ep)`` beside ``fully_shard(block, mesh=dp)`` gives two): each group's
+matrices are planned and exchanged among its own ranks, one group after another in
+the order the parameters come.
 """
 
 from __future__ import annotations
@@ -62,8 +81,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from raggedfsdp._dtensor_ext import RaggedPiece, ragged_piece
 from raggedfsdp.fsdp import buffer_of
 from raggedfsdp.optim._flat import Item, check_hyper, like_param, local
 from raggedfsdp.optim._muon_plan import (
@@ -172,8 +192,9 @@ class MuonStepStats:
         ns_seconds: wall time of this rank's Newton-Schulz.
         ns_cpu_seconds: CPU time of the thread running it (what contention does not inflate).
         wait_seconds: wall time spent waiting for communication.
-        ns_flops: NS FLOPs on this rank (planned).
-        ns_flops_per_rank: planned NS FLOPs of every rank (the load balance).
+        ns_flops: NS FLOPs on this rank.
+        ns_flops_per_rank: planned NS FLOPs of every rank of the shard dim (the load
+            balance; summed over the shard groups, see [Note: Muon under TP and EP]).
         matrices: Muon matrices stepped (all ranks).
         rooted: matrices whose NS ran on this rank.
         comm_free: matrices held whole by one rank (no communication).
@@ -207,7 +228,8 @@ class Muon(FlatAdamW):
     the module passed to it; pass ``muon_param_groups(model)`` to split by full
     names). Parameters sharded by ``fully_shard`` (``RaggedShard`` DTensors) get
     distributed Newton-Schulz, see [Note: distributed Muon] (under HSDP, within each
-    replica's shard group: [Note: Muon under HSDP]); plain tensors and
+    replica's shard group: [Note: Muon under HSDP]; tensor- and expert-parallel
+    matrices: [Note: Muon under TP and EP]); plain tensors and
     ``Replicate`` DTensors are whole on every rank and computed there. The AdamW
     groups step as ``FlatAdamW`` does: a buffer whose trainable parameters are all
     in AdamW groups steps whole (see [Note: whole-buffer steps] in ``_flat.py``).
@@ -236,10 +258,10 @@ class Muon(FlatAdamW):
     Raises:
         ValueError: a hyperparameter out of range, or a Muon parameter that is not a
             matrix or a stack of matrices (naming it).
-        NotImplementedError: a Muon parameter sharded in a way other than
-            ``RaggedShard`` on a 1-D mesh or ``(Replicate(), RaggedShard)`` on a 2-D
-            (replicate, shard) mesh (HSDP, see [Note: Muon under HSDP]), or sharded
-            Muon parameters on different meshes.
+        NotImplementedError: a Muon parameter sharded other than by ``fully_shard``
+            (a ``RaggedShard`` on the mesh's last dim, ``Replicate()`` or one tp / ep
+            ``Shard(d)`` before it), or a tensor-parallel one with
+            ``distributed="replicated"``.
     """
 
     def __init__(
@@ -279,8 +301,7 @@ class Muon(FlatAdamW):
         self.distributed = distributed
         self.matrices_per_round = matrices_per_round
         self.last_step = MuonStepStats()
-        self._plan_key: tuple | None = None
-        self._plan: StepPlan | None = None
+        self._plans: dict[str, tuple[tuple, StepPlan]] = {}  # shard group -> (key, plan)
         defaults = dict(
             lr=lr,
             weight_decay=weight_decay,
@@ -323,8 +344,8 @@ class Muon(FlatAdamW):
                 for i, p in enumerate(g["params"])
             ]
             for i, p in enumerate(params):
-                _check_muon_param(p, f"#{i} of group {len(self.param_groups)}")
-            _one_mesh(named)
+                _check_muon_param(p, f"#{i} of group {len(self.param_groups)}", self.distributed)
+            _one_tp_group(named)
         super().add_param_group(group)
         if not muon:  # drop the Muon-only defaults torch filled in
             for k in _MUON_KEYS:
@@ -362,8 +383,9 @@ class Muon(FlatAdamW):
         # 2. whole matrices on every rank (plain tensors, Replicate): no communication
         sharded = []
         for (p, h), x in zip(items, inputs):
-            if _shard_dim(p) is not None:
-                sharded.append((p, h, x))
+            cut = _cut_of(p)
+            if cut is not None:
+                sharded.append((p, h, x, cut))
                 continue
             whole = local(p)  # the whole parameter, any strides
             for e, (start, shape) in enumerate(matrix_members(p.shape)):
@@ -375,40 +397,56 @@ class Muon(FlatAdamW):
                 member = whole if p.dim() == 2 else whole[e]
                 member.add_(result, alpha=-adjust_lr(h["lr"], h["adjust_lr_fn"], *shape))
                 stats.matrices += 1
-        if sharded:
-            self._distributed_ns(sharded)
+        if sharded:  # planned per shard group: see [Note: Muon under TP and EP]
+            groups: dict[str, list] = {}
+            for entry in sharded:
+                groups.setdefault(entry[3].group.group_name, []).append(entry)
+            for key, part in groups.items():
+                self._distributed_ns(key, part)
 
     def _ns(self, x: Tensor, h: dict) -> Tensor:
         return zeropower_via_newtonschulz(x, h["ns_coefficients"], h["ns_steps"], h["eps"])
 
-    def _step_plan(self, sharded) -> StepPlan:
-        mesh = _one_mesh([(_name_of(p, "?"), p) for p, _, _ in sharded])
-        dim = _shard_dim(sharded[0][0])  # the shard dim: see [Note: Muon under HSDP]
-        world, me = mesh.size(dim), mesh.get_local_rank(dim)
+    def _step_plan(self, group: str, sharded) -> StepPlan:
+        """The plan of the Muon matrices sharded over one shard-dim process group."""
+        piece = sharded[0][3].piece
+        world, me = piece.rs.world_size, piece.coord
         key = (
-            tuple((id(p), p.placements, tuple(p.shape), h["ns_steps"]) for p, h, _ in sharded),
+            tuple((id(p), p.placements, tuple(p.shape), h["ns_steps"]) for p, h, _, _ in sharded),
             self.distributed,
             self.matrices_per_round,
         )
-        if key != self._plan_key:
+        cached = self._plans.get(group)
+        if cached is None or cached[0] != key:
             matrices, flops = plan_matrices(
-                [(tuple(p.shape), p.placements[dim], h["ns_steps"]) for p, h, _ in sharded], world
+                [(c.piece.shape, c.piece.rs, h["ns_steps"]) for _, h, _, c in sharded], world
             )
-            self._plan = build_plan(
-                matrices, flops, world, me, self.distributed, self.matrices_per_round
-            )
-            self._plan_key = key
-        return self._plan
+            plan = build_plan(matrices, flops, world, me, self.distributed, self.matrices_per_round)
+            self._plans[group] = cached = (key, plan)
+        return cached[1]
 
-    def _distributed_ns(self, sharded) -> None:
-        """Steps 2-3 of [Note: distributed Muon] for RaggedShard parameters."""
+    def _distributed_ns(self, group: str, sharded) -> None:
+        """Steps 2-3 of [Note: distributed Muon] for the RaggedShard parameters of one
+        shard group, with the tp stage of [Note: Muon under TP and EP]."""
         stats = self.last_step
-        plan = self._step_plan(sharded)
-        mesh, dim = sharded[0][0].device_mesh, _shard_dim(sharded[0][0])
-        pg, me = mesh.get_group(dim), mesh.get_local_rank(dim)  # the shard dim's
-        local_start = [_local_range_start(p, me) for p, _, _ in sharded]
+        plan = self._step_plan(group, sharded)
+        pg, me = sharded[0][3].group, sharded[0][3].piece.coord  # the shard dim's
+        local_start = [c.piece_start(me) for _, _, _, c in sharded]
         matrices = plan.matrices
         device = sharded[0][2].device  # of the NS inputs: the parameters'
+        cuts = [c for _, _, _, c in sharded]
+        tp = next((c for c in cuts if c.tp_axis is not None), None)
+        tp_load = [0.0] * (tp.tp_size if tp is not None else 1)
+
+        def tp_cut(i: int) -> _Cut | None:
+            c = cuts[matrices[i].item]
+            return c if c.tp_axis is not None else None
+
+        def whole_shape(i: int) -> tuple[int, int]:  # of the matrix, across tp
+            shape, c = list(matrices[i].shape), tp_cut(i)
+            if c is not None:
+                shape[c.member_dim] *= c.tp_size
+            return tuple(shape)
 
         def piece(i: int, rank: int, source: Tensor, base: int) -> Tensor:
             lo, hi = matrices[i].pieces[rank]
@@ -420,32 +458,93 @@ class Muon(FlatAdamW):
 
         def apply_piece(i: int, result: Tensor) -> None:  # result: this rank's rows of the update
             m = matrices[i]
-            p, h, _ = sharded[m.item]
+            p, h, _, _ = sharded[m.item]
             lo, _ = m.pieces[me]
-            _apply(local(p), lo - local_start[m.item], result, h, m.shape)
+            _apply(local(p), lo - local_start[m.item], result, h, whole_shape(i))
 
-        def ns(i: int, full: Tensor) -> Tensor:
-            m = matrices[i]
-            h = sharded[m.item][1]
+        def ns(i: int, matrix: Tensor) -> Tensor:  # the whole matrix -> its NS (bf16)
+            h = sharded[matrices[i].item][1]
             t0, c0 = time.perf_counter(), time.thread_time()
-            out = self._ns(full.view(m.shape), h).reshape(-1)  # contiguous, bf16
+            out = self._ns(matrix, h)
             stats.ns_seconds += time.perf_counter() - t0
             stats.ns_cpu_seconds += time.thread_time() - c0
-            stats.ns_flops += ns_flops(*m.shape, h["ns_steps"])
+            stats.ns_flops += ns_flops(*matrix.shape, h["ns_steps"])
             stats.rooted += 1
             return out
 
-        def issue(ex: Exchange, source) -> tuple:
-            parts = [source(i, r) for i, r in ex.send]
-            send = torch.cat(parts) if parts else torch.empty(0, dtype=_COMM, device=device)
-            recv = torch.empty(sum(ex.recv_splits), dtype=_COMM, device=device)
+        def all_to_all(send: Tensor, send_splits, recv_splits, group, async_op) -> tuple:
+            recv = torch.empty(sum(recv_splits), dtype=_COMM, device=device)
             work = dist.all_to_all_single(
-                recv, send, ex.recv_splits, ex.send_splits, group=pg, async_op=True
+                recv, send, recv_splits, send_splits, group=group, async_op=async_op
             )
             stats.bytes_sent += send.numel() * send.element_size()
             stats.bytes_received += recv.numel() * recv.element_size()
             stats.collectives += 1
+            return work, recv
+
+        def cat(parts: list[Tensor]) -> Tensor:
+            return torch.cat(parts) if parts else torch.empty(0, dtype=_COMM, device=device)
+
+        def issue(ex: Exchange, source) -> tuple:
+            send = cat([source(i, r) for i, r in ex.send])
+            work, recv = all_to_all(send, ex.send_splits, ex.recv_splits, pg, True)
             return work, recv, send
+
+        def tp_exchange(parts: list[list[Tensor]], sizes: list[list[int]]) -> list[list[Tensor]]:
+            """One all-to-all over tp: ``parts[r]`` go to tp rank r; ``sizes[r]`` are the
+            pieces from r. Returns the received pieces, by rank."""
+            send = cat([x for row in parts for x in row])
+            splits = [sum(s) for s in sizes]
+            _, recv = all_to_all(
+                send, [sum(x.numel() for x in row) for row in parts], splits, tp.tp_group, False
+            )
+            out, at = [], 0
+            for row in sizes:
+                out.append(list(recv[at : at + sum(row)].split(row)))
+                at += sum(row)
+            return out
+
+        def solve(batch: list[tuple[int, Tensor]]) -> dict[int, Tensor]:
+            """``{i: this rank's piece of NS(matrix i)}`` from ``[(i, this rank's piece)]``
+            (flat, bf16): NS here for matrices whole on this rank, else the tp stage of
+            [Note: Muon under TP and EP]. Every rank of a tp group passes the same ``i``s."""
+            out = {
+                i: ns(i, x.view(matrices[i].shape)).reshape(-1)
+                for i, x in batch
+                if tp_cut(i) is None
+            }
+            cut = [(i, x) for i, x in batch if tp_cut(i) is not None]
+            if not cut:
+                return out
+            size, t = tp.tp_size, tp.tp_rank
+            roots = {}
+            for i, _ in sorted(cut, key=lambda e: (-ns_flops(*whole_shape(e[0]), 1), e[0])):
+                roots[i] = min(range(size), key=lambda r: (tp_load[r], r))
+                tp_load[roots[i]] += ns_flops(*whole_shape(i), 1)
+            mine = [(i, x) for i, x in cut if roots[i] == t]
+            others = [[] if r == t else [x.numel() for _, x in mine] for r in range(size)]
+            got = tp_exchange(
+                [[] if r == t else [x for i, x in cut if roots[i] == r] for r in range(size)],
+                others,
+            )
+            chunks = []
+            for k, (i, x) in enumerate(mine):
+                dim = tp_cut(i).member_dim
+                pieces = [(x if r == t else got[r][k]).view(matrices[i].shape) for r in range(size)]
+                chunks.append(ns(i, torch.cat(pieces, dim=dim)).chunk(size, dim=dim))
+            back = tp_exchange(
+                [[] if r == t else [c[r].reshape(-1) for c in chunks] for r in range(size)],
+                [
+                    [] if r == t else [x.numel() for i, x in cut if roots[i] == r]
+                    for r in range(size)
+                ],
+            )
+            for (i, _), c in zip(mine, chunks):
+                out[i] = c[t].reshape(-1)
+            for r in range(size):
+                for (i, _), part in zip([e for e in cut if roots[e[0]] == r], back[r]):
+                    out[i] = part
+            return out
 
         def wait(work) -> None:
             t0 = time.perf_counter()
@@ -453,17 +552,25 @@ class Muon(FlatAdamW):
             stats.wait_seconds += time.perf_counter() - t0
 
         stats.matrices += len(matrices)
-        stats.comm_free += len(matrices) - sum(len(r.matrices) for r in plan.rounds)
-        if self.distributed == "replicated":
-            stats.comm_free = 0
-        stats.ns_flops_per_rank = list(plan.load)
+        in_rounds = {i for r in plan.rounds for i in r.matrices}
+        if self.distributed != "replicated":
+            stats.comm_free += sum(
+                i not in in_rounds and tp_cut(i) is None for i in range(len(matrices))
+            )
+        before, load = stats.ns_flops_per_rank, plan.load
+        stats.ns_flops_per_rank = [
+            (before[r] if r < len(before) else 0.0) + (load[r] if r < len(load) else 0.0)
+            for r in range(max(len(before), len(load)))
+        ]
         # every gather in flight first; communication-free matrices fill the waits
         gathers = [issue(rnd.gather, own_input) for rnd in plan.rounds]
-        free = list(plan.local)  # communication-free matrices rooted here
+        # matrices whole on this rank rooted here (those cut by tp: after the rounds)
+        free = [i for i in plan.local if tp_cut(i) is None]
+        free_tp = [i for i in plan.local if tp_cut(i) is not None]
 
         def next_free() -> None:
             i = free.pop()
-            apply_piece(i, ns(i, own_input(i, me).clone()))
+            apply_piece(i, ns(i, own_input(i, me).clone().view(matrices[i].shape)).reshape(-1))
 
         scatters = []
         for rnd, (work, recv, _send) in zip(plan.rounds, gathers):
@@ -471,7 +578,7 @@ class Muon(FlatAdamW):
                 next_free()
             wait(work)
             received = _split(recv, rnd.gather.recv, matrices)
-            results: dict[int, Tensor] = {}
+            batch = []
             for i in rnd.matrices:
                 if rnd.scatter is not None and plan.roots[i] != me:
                     continue
@@ -482,7 +589,8 @@ class Muon(FlatAdamW):
                     if hi > lo:
                         src = own_input(i, me) if r == me else received[i, r]
                         full[lo - m.start : hi - m.start].copy_(src)
-                results[i] = ns(i, full)
+                batch.append((i, full))
+            results = solve(batch)
             if rnd.scatter is not None:
 
                 def result_piece(i: int, rank: int, results=results) -> Tensor:
@@ -496,6 +604,9 @@ class Muon(FlatAdamW):
                     apply_piece(i, out[lo - matrices[i].start : hi - matrices[i].start])
         while free:  # results of this rank's rounds travel back meanwhile
             next_free()
+        if free_tp:
+            for i, out in solve([(i, own_input(i, me).clone()) for i in free_tp]).items():
+                apply_piece(i, out)
         for rnd, (work, recv, _send) in scatters:
             wait(work)
             for (i, _), part in _split(recv, rnd.scatter.recv, matrices).items():
@@ -518,11 +629,6 @@ def _apply(param: Tensor, offset: int, update: Tensor, h: dict, shape: tuple[int
     flat = param.view(-1)
     lr = adjust_lr(h["lr"], h["adjust_lr_fn"], *shape)
     flat[offset : offset + update.numel()].add_(update, alpha=-lr)
-
-
-def _local_range_start(p: DTensor, rank: int) -> int:
-    rs = p.placements[_shard_dim(p)]
-    return rs.local_row_range(p.shape, rank)[0] * rs.row_numel(p.shape)
 
 
 def _check_hyper(group: dict, muon: bool) -> None:
@@ -551,35 +657,62 @@ def _check_hyper(group: dict, muon: bool) -> None:
         raise ValueError(f"Muon: ns_steps must be an int in [0, 100), got {steps!r}")
 
 
-def _shard_dim(p: Tensor) -> int | None:
-    """The mesh dim a Muon parameter's ``RaggedShard`` cuts (None: whole on every rank)."""
-    if not isinstance(p, DTensor):
+@dataclass(frozen=True)
+class _Cut:
+    """Where ``fully_shard`` (and tensor or expert parallelism before it) cut a Muon
+    parameter: see [Note: Muon under TP and EP]."""
+
+    piece: RaggedPiece  # the RaggedShard and the TP-local piece it cuts
+    group: dist.ProcessGroup  # the shard dim's
+    tp_axis: int | None  # the mesh axis that cuts each matrix (None: every matrix whole)
+    member_dim: int  # the dim of each member matrix that axis cuts
+    tp_group: dist.ProcessGroup | None
+    tp_size: int
+    tp_rank: int
+
+    def piece_start(self, rank: int) -> int:
+        """First element of shard rank ``rank``'s rows in the flattened TP-local piece."""
+        rs, shape = self.piece.rs, self.piece.shape
+        return rs.local_row_range(shape, rank)[0] * rs.row_numel(shape)
+
+
+def _cut_of(p: Tensor) -> _Cut | None:
+    """How a Muon parameter is cut (None: whole on every rank)."""
+    if not isinstance(p, DTensor) or not any(isinstance(q, RaggedShard) for q in p.placements):
         return None
-    for dim, placement in enumerate(p.placements):
-        if isinstance(placement, RaggedShard):
-            return dim
-    return None
-
-
-def _one_mesh(named: Sequence[tuple[str, Tensor]]):
-    """The one mesh of the sharded Muon parameters ``(name, param)`` (None without any);
-    raises on two."""
-    mesh, first = None, ""
-    for name, p in named:
-        if _shard_dim(p) is None:
-            continue
-        if mesh is None:
-            mesh, first = p.device_mesh, name
-        elif p.device_mesh != mesh:
-            raise NotImplementedError(
-                f"Muon: parameter {name!r} is sharded on mesh {p.device_mesh}, but "
-                f"{first!r} on mesh {mesh}; one Muon optimizer plans the Newton-Schulz roots "
-                "over one mesh: make one Muon per mesh (each with the parameters sharded on it)"
+    mesh, placements = p.device_mesh, tuple(p.placements)
+    piece = ragged_piece(tuple(p.shape), mesh, placements)
+    cut = dict(tp_axis=None, member_dim=0, tp_group=None, tp_size=1, tp_rank=0)
+    for axis, q in enumerate(placements[: piece.axis]):
+        if type(q) is Shard and not (p.dim() == 3 and q.dim == 0):  # Shard(0): whole experts
+            cut = dict(
+                tp_axis=axis,
+                member_dim=q.dim - (p.dim() - 2),
+                tp_group=mesh.get_group(axis),
+                tp_size=mesh.size(axis),
+                tp_rank=mesh.get_local_rank(axis),
             )
-    return mesh
+    return _Cut(piece, mesh.get_group(piece.axis), **cut)
 
 
-def _check_muon_param(p: Tensor, fallback: str) -> None:
+def _one_tp_group(named: Sequence[tuple[str, Tensor]]) -> None:
+    """Raise if the tensor-parallel Muon parameters of one shard group lie on two tp groups."""
+    seen: dict[str, tuple[str, dist.ProcessGroup]] = {}
+    for name, p in named:
+        cut = _cut_of(p)
+        if cut is None or cut.tp_group is None:
+            continue
+        first = seen.setdefault(cut.group.group_name, (name, cut.tp_group))
+        if first[1] is not cut.tp_group:
+            raise NotImplementedError(
+                f"Muon: parameters {first[0]!r} and {name!r} are sharded over the same "
+                "data-parallel ranks but cut by tensor parallelism over different process "
+                "groups; one Muon optimizer gathers a shard group's matrices across one tp "
+                "group: make one Muon per tp mesh"
+            )
+
+
+def _check_muon_param(p: Tensor, fallback: str, distributed: str) -> None:
     name = _name_of(p, fallback)
     if p.dim() not in (2, 3):
         raise ValueError(
@@ -590,34 +723,34 @@ def _check_muon_param(p: Tensor, fallback: str) -> None:
     if not isinstance(p, DTensor):
         return
     mesh, placements = p.device_mesh, tuple(p.placements)
-    if mesh.ndim > 2:
-        raise NotImplementedError(
-            f"Muon: parameter {name!r} is a DTensor on a {mesh.ndim}-D mesh of shape "
-            f"{tuple(mesh.shape)}; distributed Muon supports 1-D meshes (FSDP) and 2-D "
-            "(replicate, shard) meshes (HSDP, placements (Replicate(), RaggedShard)): "
-            "fully_shard the model on one of those"
-        )
-    for placement in placements:
-        if not isinstance(placement, (RaggedShard, Replicate)):
-            if any(isinstance(q, RaggedShard) for q in placements):  # FSDP x TP / EP
+    if not any(isinstance(q, RaggedShard) for q in placements):
+        for placement in placements:
+            if not isinstance(placement, Replicate):
                 raise NotImplementedError(
-                    f"Muon: parameter {name!r} is placed {placements} on mesh "
-                    f"{mesh.mesh_dim_names}: tensor- or expert-parallel as well as sharded "
-                    "by fully_shard. Newton-Schulz needs the whole matrix, which would be "
-                    "gathered across that dim too; not supported yet: put such matrices in "
-                    "a use_muon=False (AdamW) group, or parallelize without TP / EP"
+                    f"Muon: parameter {name!r} is sharded as {placement!r} and not by "
+                    "fully_shard; Muon needs RaggedShard (raggedfsdp.fully_shard) or "
+                    "Replicate: shard the model with raggedfsdp"
                 )
-            raise NotImplementedError(
-                f"Muon: parameter {name!r} is sharded as {placement!r}; Muon needs RaggedShard "
-                "(raggedfsdp.fully_shard) or Replicate: shard the model with raggedfsdp"
-            )
-    dim = _shard_dim(p)
-    if dim is None:
         return
-    if dim != mesh.ndim - 1:
+    where = f"Muon: parameter {name!r} is placed {placements} on mesh {mesh.mesh_dim_names}"
+    try:
+        piece = ragged_piece(tuple(p.shape), mesh, placements)
+    except (ValueError, NotImplementedError) as err:
+        raise NotImplementedError(f"{where}: {err}") from None
+    if piece.axis != mesh.ndim - 1:
         raise NotImplementedError(
-            f"Muon: parameter {name!r} is placed {placements} on a {mesh.ndim}-D mesh; "
-            "under HSDP Muon needs (Replicate(), RaggedShard): the RaggedShard on the "
-            "mesh's last (shard) dim, as fully_shard places it"
+            f"{where}; Muon needs the RaggedShard on the mesh's last (shard) dim, as "
+            "fully_shard places it (under HSDP (Replicate(), RaggedShard))"
         )
-    placements[dim].validate_for(tuple(p.shape), mesh.size(dim))
+    cuts = [q for q in placements if type(q) is Shard]
+    if len(cuts) > 1:
+        raise NotImplementedError(
+            f"{where}: cut by {len(cuts)} Shard axes before fully_shard's; Muon gathers a "
+            "matrix across one tensor- or expert-parallel axis: parallelize on one mesh axis"
+        )
+    if cuts and distributed == "replicated" and _cut_of(p).tp_axis is not None:
+        raise NotImplementedError(
+            f"{where}: a tensor-parallel matrix, which distributed='replicated' (the "
+            "baseline) does not gather across tp; use distributed='root'"
+        )
+    piece.rs.validate_for(piece.shape, mesh.size(piece.axis))

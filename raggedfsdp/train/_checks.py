@@ -46,9 +46,6 @@ _ENDPOINT = re.compile(r"^[A-Za-z0-9_.\-\[\]:]+:\d{1,5}$")
 _MESH_EXAMPLE = "e.g. --mesh replicate=2,shard=2, --mesh dp=2,tp=2 or --mesh ep=2"
 _MESH_DIMS = ("replicate", "shard", "dp", "tp", "ep")
 _FUTURE_DIMS = {"cp": "context parallel", "pp": "pipeline parallel"}
-# optimizers that run on TP / EP parameters (Muon and the flat optimizers plan over one
-# 1-D or (replicate, shard) mesh)
-TP_EP_OPTIMIZERS = ("adamw", "sgd")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -323,11 +320,23 @@ def _check_mesh(args, mesh: MeshSpec) -> None:
             "supported yet (an int reshards to a smaller group on a 1-D mesh only); pass "
             "auto, true or false"
         )
-    if (mesh.tp > 1 or mesh.ep > 1) and args.optim not in TP_EP_OPTIMIZERS:
-        raise NotImplementedError(
-            f"--optim {args.optim} with {where} is not supported yet (it plans over a 1-D or "
-            f"(replicate, shard) mesh); pass --optim {' or '.join(TP_EP_OPTIMIZERS)}"
-        )
+    if mesh.tp > 1 and args.optim == "adamw8bit":
+        # [Note: 8-bit states under TP and EP]: row-wise TP pieces must hold whole blocks
+        from raggedfsdp.optim.adamw8bit import DEFAULT_BLOCK_SIZE
+
+        rows = {"attention.wo": config.n_heads * config.head_dim // mesh.tp}
+        if any(not config.is_moe_layer(i) for i in range(config.n_layers)):
+            rows["feed_forward.w2"] = config.ffn_dim // mesh.tp
+        bad = {k: v for k, v in rows.items() if v % DEFAULT_BLOCK_SIZE}
+        if bad:
+            pieces = ", ".join(f"{k}: {v}" for k, v in bad.items())
+            raise ValueError(
+                f"{where} with --optim adamw8bit: row-wise tensor parallel leaves each tp rank "
+                f"rows of {pieces} elements of {args.model}, not whole quantization blocks of "
+                f"{DEFAULT_BLOCK_SIZE} elements, which AdamW8bit keeps whole on every rank; "
+                "pass another --optim (adamw, flat-adamw, muon), or a model whose row-wise "
+                "pieces hold whole blocks"
+            )
     if mesh.tp > 1:
         heads = (config.n_heads, config.n_kv_heads)
         if any(h % mesh.tp for h in heads) or config.attention != "gqa":

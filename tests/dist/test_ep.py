@@ -21,7 +21,7 @@ from raggedfsdp.models import get_config
 from raggedfsdp.models.transformer import Transformer, expert_parallel, lm_loss
 from tests.harness import run_cases, spawn
 
-SEQ, STEPS, WORLD = 16, 6, 4
+SEQ, STEPS, WORLD = 16, 10, 4
 NAME = "moe-tiny"  # 6 experts: 3 per ep rank
 
 

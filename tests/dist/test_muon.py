@@ -58,7 +58,12 @@ def _reference(model_name: str, variant: str) -> list[dict[str, torch.Tensor]]:
 
 
 def _reference_run(model_name: str, variant: str) -> list[dict[str, torch.Tensor]]:
-    model = Transformer(get_config(model_name), max_seq_len=SEQ, seed=0)
+    return reference_history(Transformer(get_config(model_name), max_seq_len=SEQ, seed=0), variant)
+
+
+def reference_history(model, variant: str) -> list[dict[str, torch.Tensor]]:
+    """Every step's full parameters of ``model`` under torch.optim.Muon + torch.optim.AdamW,
+    given the gradients of ``_grad``."""
     named = dict(model.named_parameters())
     matrices: dict[str, list[nn.Parameter]] = {}  # fqn -> its 2-D members
     others = []
