@@ -14,10 +14,16 @@ from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPo
 from torch.distributed.tensor import Shard
 
 from raggedfsdp.fsdp._buffers import buffer_of
-from raggedfsdp.fsdp._param_group import ParamGroup, ParamRef
+from raggedfsdp.fsdp._group_set import GroupSet
+from raggedfsdp.fsdp._param_group import ParamGroup, ParamRef, group_specs
 from raggedfsdp.fsdp._policy import BlockPolicy, BlockRows, MixedPrecisionPolicy
 from raggedfsdp.fsdp._state import FSDPState, resolve_reshard_after_forward, state_of
-from raggedfsdp.planner import DEFAULT_ALIGNMENT_BYTES
+from raggedfsdp.planner import (
+    DEFAULT_ALIGNMENT_BYTES,
+    DEFAULT_ALPHA_BYTES,
+    DEFAULT_MAX_BUFFERS,
+    plan_buffers,
+)
 
 __all__ = ["FSDP2_SURFACE", "FSDPModule", "UnshardHandle", "fully_shard"]
 
@@ -39,6 +45,8 @@ def fully_shard(
     dp_mesh_dims=None,
     block_policy: BlockPolicy | Callable[[str, nn.Parameter], BlockRows] | None = None,
     alignment_bytes: int = DEFAULT_ALIGNMENT_BYTES,
+    max_buffers: int = DEFAULT_MAX_BUFFERS,
+    buffer_alpha_bytes: int = DEFAULT_ALPHA_BYTES,
 ):
     """Shard ``module``'s parameters (those not already sharded by a nested call).
 
@@ -72,6 +80,12 @@ def fully_shard(
         block_policy: rows per block, a ``BlockPolicy`` or a callable of
             ``(fqn, param)`` returning a positive int or ``"whole"``. Default 1 row.
         alignment_bytes: alignment of every shard start. Default 128 (see the planner).
+        max_buffers: the most buffers the group's parameters may be split over, each with
+            its own all-gather and reduce-scatter; the planner splits only where that
+            saves more padding bytes than one more collective costs (1 MiB), see [Note:
+            multi-buffer groups] in ``raggedfsdp/planner/_multi.py``. Default 4.
+        buffer_alpha_bytes: that cost of one more buffer, in bytes (negative: split
+            wherever the padding grows by less than its magnitude). Default 1 MiB.
 
     Returns:
         ``module`` (or the list), now ``FSDPModule``s.
@@ -82,6 +96,15 @@ def fully_shard(
             parameter shared with another group.
         NotImplementedError: an option raggedfsdp does not support (named).
     """
+    if isinstance(max_buffers, bool) or not isinstance(max_buffers, int) or max_buffers < 1:
+        raise ValueError(
+            f"fully_shard: max_buffers must be an int >= 1, got {max_buffers!r}; pass 1 to keep "
+            "each group in one buffer"
+        )
+    if isinstance(buffer_alpha_bytes, bool) or not isinstance(buffer_alpha_bytes, int):
+        raise ValueError(
+            f"fully_shard: buffer_alpha_bytes must be an int (bytes), got {buffer_alpha_bytes!r}"
+        )
     modules = list(module) if isinstance(module, (list, tuple)) else [module]
     if not modules or not all(isinstance(m, nn.Module) for m in modules):
         raise ValueError(
@@ -119,21 +142,20 @@ def fully_shard(
         for ref, p in zip(refs, originals):
             _check_placement(ref.fqn, shard_placement_fn(p))
     name = type(modules[0]).__name__ + (f" and {len(modules) - 1} more" if len(modules) > 1 else "")
-    group = (
-        ParamGroup(
+    group = None
+    if refs:
+        group = _new_group(
             refs,
             originals,
             mesh,
             mp_policy,
             block_policy,
             alignment_bytes,
+            (max_buffers, buffer_alpha_bytes),
             name=name,
             offload=isinstance(offload_policy, CPUOffloadPolicy),
             pin_memory=getattr(offload_policy, "pin_memory", True),
         )
-        if refs
-        else None
-    )
     for ref, p in zip(refs, originals):
         setattr(p, _MOVED_ATTR, (name, ref.fqn))
     FSDPState(modules, group, mesh, mp_policy, reshard_after_forward)
@@ -239,6 +261,34 @@ def _collect_params(
 def _sharded_by(p) -> tuple[str, str] | None:
     found = buffer_of(p)
     return None if found is None else (found[0]._group.name, found[1].fqn)
+
+
+def _new_group(refs, originals, mesh, mp_policy, block_policy, alignment_bytes, buffers, **kw):
+    """The group of one ``fully_shard`` call: one ``ParamGroup``, or a ``GroupSet`` of one
+    per buffer where the planner splits it (see [Note: multi-buffer groups])."""
+    specs, dtype = group_specs(refs, originals, mesh, block_policy)
+    plan = plan_buffers(
+        specs,
+        mesh.size(mesh.ndim - 1),
+        max_buffers=buffers[0],
+        alpha_bytes=buffers[1],
+        dtype=dtype,
+        alignment_bytes=alignment_bytes,
+    )
+    args = (mesh, mp_policy, block_policy, alignment_bytes)
+    if len(plan.layouts) == 1:
+        return ParamGroup(refs, originals, *args, layout=plan.layouts[0], **kw)
+    index = {ref.fqn: i for i, ref in enumerate(refs)}
+    groups = []
+    for k, layout in enumerate(plan.layouts):
+        mine = sorted(index[t.name] for t in layout.tensors)  # module order
+        sub = {**kw, "name": f"{kw['name']}[buffer {k}]"}
+        groups.append(
+            ParamGroup(
+                [refs[i] for i in mine], [originals[i] for i in mine], *args, layout=layout, **sub
+            )
+        )
+    return GroupSet(groups, kw["name"])
 
 
 class UnshardHandle:

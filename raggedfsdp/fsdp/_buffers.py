@@ -227,7 +227,8 @@ def buffers_of(obj: nn.Module | Iterable[torch.Tensor]) -> list[BufferView]:
         for m in obj.modules():
             state = state_of(m)
             if state is not None and state.group is not None:
-                views.setdefault(id(state.group), state.group.view)
+                for g in getattr(state.group, "groups", [state.group]):  # GroupSet: each buffer
+                    views.setdefault(id(g), g.view)
         return list(views.values())
     for t in obj:
         found = buffer_of(t)

@@ -19,10 +19,11 @@ from raggedfsdp.fsdp._policy import MixedPrecisionPolicy, resolve_block_rows
 from raggedfsdp.fsdp._state import PostForwardGroup
 from raggedfsdp.fsdp._tp import TPSpec, tp_spec_of
 from raggedfsdp.placement import RaggedShard
-from raggedfsdp.planner import TensorSpec, plan_buffer
+from raggedfsdp.planner import BufferLayout, TensorSpec, plan_buffer
 
 __all__ = [
     "ParamGroup",
+    "group_specs",
     "ParamRef",
     "PendingGather",
     "PendingReduce",
@@ -87,6 +88,42 @@ class ParamRef:
             module._parameters[name] = param
 
 
+def _laid_out(refs, originals, mesh) -> list[torch.Tensor]:
+    """What a group lays out: each parameter's local tensor (its TP piece, if any); sets
+    each ``ref.tp`` (see [Note: FSDP x TP] in ``_tp.py``)."""
+    for ref, p in zip(refs, originals):
+        ref.tp = tp_spec_of(ref.fqn, p, mesh)
+    return [p.to_local() if ref.tp is not None else p for ref, p in zip(refs, originals)]
+
+
+def group_specs(refs, originals, mesh, block_policy) -> tuple[list[TensorSpec], torch.dtype]:
+    """The planner's view of a group's parameters, and their one dtype.
+
+    Raises:
+        NotImplementedError: a 0-d parameter, or parameters of several dtypes.
+    """
+    local = _laid_out(refs, originals, mesh)
+    dtypes = {p.dtype for p in local}
+    if len(dtypes) != 1:
+        raise NotImplementedError(
+            f"fully_shard: parameters {[r.fqn for r in refs]} mix dtypes "
+            f"{sorted(map(str, dtypes))}; "
+            "one group holds one dtype: cast the module, or fully_shard the parts separately"
+        )
+    specs = []
+    for ref, p, as_held in zip(refs, local, originals):  # block policies see them as held
+        if p.dim() == 0:
+            raise NotImplementedError(
+                f"fully_shard: parameter {ref.fqn!r} is 0-d; RaggedShard cuts dims: pass it "
+                "in ignored_params or make it shape (1,)"
+            )
+        rows = resolve_block_rows(block_policy, ref.fqn, as_held)
+        specs.append(
+            TensorSpec(name=ref.fqn, shape=tuple(p.shape), block_rows=rows, stack=p.dim() >= 3)
+        )
+    return specs, dtypes.pop()
+
+
 class ParamGroup:
     """One buffer's worth of parameters: shard, unshard, reshard, reduce gradients.
 
@@ -113,6 +150,8 @@ class ParamGroup:
         alignment_bytes: planner alignment.
         name: how messages name the group (the module's class).
         offload: CPU offload (torch's ``CPUOffloadPolicy``): see [Note: CPU offload].
+        layout: the buffer's layout, planned beforehand (a buffer of a multi-buffer
+            group, see ``GroupSet``); None: planned here.
         pin_memory: pin the offloaded shard storages (with an accelerator).
 
     [Note: CPU offload]
@@ -135,6 +174,7 @@ class ParamGroup:
         name: str = "",
         offload: bool = False,
         pin_memory: bool = True,
+        layout: BufferLayout | None = None,
     ):
         self.refs: list[ParamRef] = refs
         self.view = BufferView(self)  # the public handle (raggedfsdp.fsdp.buffers_of)
@@ -152,19 +192,8 @@ class ParamGroup:
         self.replicate_size = mesh.size(0) if mesh.ndim == 2 else 1
         self.requires_all_reduce = True  # HSDP: False skips the all-reduce (accumulation)
         self._partial_reduce: torch.Tensor | None = None  # 1D, S: reduced, not all-reduced
-        for ref, p in zip(refs, originals):
-            ref.tp = tp_spec_of(ref.fqn, p, mesh)
-        held = list(originals)  # as the module holds them: what block policies see
-        # What the group lays out: each parameter's local tensor (its TP piece, if any).
-        originals = [p.to_local() if ref.tp is not None else p for ref, p in zip(refs, originals)]
-        dtypes = {p.dtype for p in originals}
-        if len(dtypes) != 1:
-            raise NotImplementedError(
-                f"fully_shard: parameters {[r.fqn for r in refs]} mix dtypes "
-                f"{sorted(map(str, dtypes))}; "
-                "one group holds one dtype: cast the module, or fully_shard the parts separately"
-            )
-        self.dtype = dtypes.pop()
+        specs, self.dtype = group_specs(refs, originals, mesh, block_policy)
+        originals = _laid_out(refs, originals, mesh)
         self.device = originals[0].device  # the compute device: the global storages'
         self.offload = offload
         shard_device = None
@@ -178,20 +207,13 @@ class ParamGroup:
         self.mp_policy = mp_policy
         self.compute_dtype = mp_policy.param_dtype or self.dtype
         self.reduce_dtype = mp_policy.reduce_dtype or self.compute_dtype
-        specs = []
-        for ref, p, as_held in zip(refs, originals, held):
-            if p.dim() == 0:
-                raise NotImplementedError(
-                    f"fully_shard: parameter {ref.fqn!r} is 0-d; RaggedShard cuts dims: pass it "
-                    "in ignored_params or make it shape (1,)"
-                )
-            rows = resolve_block_rows(block_policy, ref.fqn, as_held)
-            specs.append(
-                TensorSpec(name=ref.fqn, shape=tuple(p.shape), block_rows=rows, stack=p.dim() >= 3)
+        if layout is None:
+            layout = plan_buffer(
+                specs, self.world, dtype=self.dtype, alignment_bytes=alignment_bytes
             )
-        self.layout = plan_buffer(
-            specs, self.world, dtype=self.dtype, alignment_bytes=alignment_bytes
-        )
+        elif sorted(t.name for t in layout.tensors) != sorted(s.name for s in specs):
+            raise AssertionError(f"fully_shard group {self.name}: its layout holds other tensors")
+        self.layout = layout
         self.dbuf = self._new_dbuf(shard_device)
         for ref, p in zip(refs, originals):
             ref.placement = RaggedShard.from_layout(self.layout, ref.fqn)

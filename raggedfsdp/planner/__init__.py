@@ -61,6 +61,12 @@ whole even when ``out`` is not a multiple of 128). Gaps are opt-in
 
 from raggedfsdp.planner._exact import plan_exact
 from raggedfsdp.planner._layout import BufferLayout, TensorPlacement
+from raggedfsdp.planner._multi import (
+    DEFAULT_ALPHA_BYTES,
+    DEFAULT_MAX_BUFFERS,
+    MultiPlan,
+    plan_buffers,
+)
 from raggedfsdp.planner._peers import PeerPadding, fsdp1_padding, fsdp2_padding, zero3_padding
 from raggedfsdp.planner._plan import (
     DEFAULT_ALIGNMENT_BYTES,
@@ -73,6 +79,9 @@ from raggedfsdp.planner._spec import WHOLE, TensorSpec, with_block_rows
 
 __all__ = [
     "DEFAULT_ALIGNMENT_BYTES",
+    "DEFAULT_ALPHA_BYTES",
+    "DEFAULT_MAX_BUFFERS",
+    "MultiPlan",
     "WHOLE",
     "BufferLayout",
     "GroupPlan",
@@ -83,6 +92,7 @@ __all__ = [
     "fsdp1_padding",
     "fsdp2_padding",
     "plan_buffer",
+    "plan_buffers",
     "plan_exact",
     "plan_groups",
     "with_block_rows",

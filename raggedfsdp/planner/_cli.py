@@ -41,8 +41,9 @@ from pathlib import Path
 from typing import Any
 
 from raggedfsdp._mesh_arg import parse_mesh_pairs
+from raggedfsdp.planner._multi import DEFAULT_MAX_BUFFERS, plan_buffers
 from raggedfsdp.planner._peers import PeerPadding, fsdp1_padding, fsdp2_padding, zero3_padding
-from raggedfsdp.planner._plan import DEFAULT_ALIGNMENT_BYTES, clear_plan_cache, plan_buffer
+from raggedfsdp.planner._plan import DEFAULT_ALIGNMENT_BYTES, clear_plan_cache
 from raggedfsdp.planner._spec import WHOLE, TensorSpec, dtype_name_and_itemsize, with_block_rows
 
 MESH_DIMS = ("replicate", "shard")
@@ -143,6 +144,15 @@ def _parser() -> argparse.ArgumentParser:
         help=f"alignment of shard starts and offsets (default {DEFAULT_ALIGNMENT_BYTES})",
     )
     p.add_argument("--member-gaps", action="store_true", help="allow gaps between experts")
+    p.add_argument(
+        "--max-buffers",
+        type=int,
+        default=None,
+        help="the most buffers a group may be split over, as fully_shard(max_buffers=) "
+        f"(default {DEFAULT_MAX_BUFFERS}, fully_shard's; 1 with --exact, which solves one "
+        "buffer per group; 1: one buffer per group); a split is kept only where it saves "
+        "more padding bytes than one more collective costs (1 MiB)",
+    )
     p.add_argument("--exact", action="store_true", help="solve each distinct group with HiGHS")
     p.add_argument("--time-limit", type=float, default=60.0, help="--exact seconds per group")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -220,11 +230,25 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     kwargs = dict(
         dtype=args.dtype, alignment_bytes=args.alignment_bytes, member_gaps=args.member_gaps
     )
+    max_buffers = args.max_buffers
+    if max_buffers is None:
+        max_buffers = 1 if args.exact else DEFAULT_MAX_BUFFERS
+    if max_buffers < 1:
+        raise ValueError(f"--max-buffers must be >= 1, got {max_buffers}")
+    if args.exact and max_buffers != 1:
+        raise ValueError(
+            f"--exact solves one buffer per group, but --max-buffers is {max_buffers}; "
+            "drop --max-buffers or pass 1"
+        )
     specs = {g.name: _specs(g, args.block_rows) for g in groups}
     clear_plan_cache()  # time a cold plan
     t0 = time.perf_counter()
-    layouts = {g.name: plan_buffer(specs[g.name], world, **kwargs) for g in groups}
+    plans = {
+        g.name: plan_buffers(specs[g.name], world, max_buffers=max_buffers, **kwargs)
+        for g in groups
+    }
     plan_seconds = time.perf_counter() - t0
+    layouts = {name: plan.single for name, plan in plans.items()}  # --exact improves these
     exact: dict[str, Any] = {}
     if args.exact:
         from raggedfsdp.planner._exact import plan_exact
@@ -246,13 +270,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             if layout.shard_size < layouts[g.name].shard_size:
                 new_names = [s.name for s in specs[g.name]]
                 layouts[g.name] = layout.renamed(dict(zip(names, new_names, strict=True)))
+    buffers = {g.name: (layouts[g.name],) if args.exact else plans[g.name].layouts for g in groups}
 
     def zero() -> dict[str, Any]:
         return {
             "groups": 0,
             "params": 0,
+            "buffers": 0,
             "padding": 0,
             "lower_bound_padding": 0,
+            "single_buffer_padding": 0,
+            "single_buffer_lower_bound_padding": 0,
             "shard_sizes": set(),
             "fsdp2": PeerPadding(0, 0, 0),
             "fsdp1": PeerPadding(0, 0, 0),
@@ -262,31 +290,40 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     kinds: dict[str, dict[str, Any]] = defaultdict(zero)
     for g in groups:
-        lay, k = layouts[g.name], kinds[g.kind]
+        k = kinds[g.kind]
         k["groups"] += 1
-        k["params"] += lay.total_numel
-        k["padding"] += lay.padding
-        k["lower_bound_padding"] += lay.lower_bound_padding
-        k["shard_sizes"].add(lay.shard_size)
+        k["params"] += plans[g.name].total_numel
+        k["single_buffer_padding"] += plans[g.name].single.padding
+        k["single_buffer_lower_bound_padding"] += plans[g.name].single.lower_bound_padding
         k["fsdp2"] += fsdp2_padding(specs[g.name], world)
         k["fsdp1"] += fsdp1_padding(specs[g.name], world, args.dtype)
         k["zero3"] += zero3_padding(specs[g.name], world)
-        # See [Note: HSDP in the plan]: per rank, per step.
-        k["shard_bytes"] += lay.shard_size * itemsize
-        k["all_gather_bytes"] += lay.global_size * itemsize
-        k["reduce_scatter_bytes"] += lay.global_size * reduce_itemsize
-        k["hsdp_all_reduce_bytes"] += lay.shard_size * reduce_itemsize if replicate > 1 else 0
+        for lay in buffers[g.name]:  # see [Note: multi-buffer groups]
+            k["buffers"] += 1
+            k["padding"] += lay.padding
+            k["lower_bound_padding"] += lay.lower_bound_padding
+            k["shard_sizes"].add(lay.shard_size)
+            # See [Note: HSDP in the plan]: per rank, per step.
+            k["shard_bytes"] += lay.shard_size * itemsize
+            k["all_gather_bytes"] += lay.global_size * itemsize
+            k["reduce_scatter_bytes"] += lay.global_size * reduce_itemsize
+            k["hsdp_all_reduce_bytes"] += lay.shard_size * reduce_itemsize if replicate > 1 else 0
 
     def summary(k: dict[str, Any]) -> dict[str, Any]:
         n = k["params"]
         return {
             "groups": k["groups"],
             "params": n,
+            "buffers": k["buffers"],
+            # an all-gather in forward, one in backward, a reduce-scatter (+ HSDP all-reduce)
+            "collectives_per_step": k["buffers"] * (3 + (replicate > 1)),
             "shard_sizes": sorted(k["shard_sizes"]),
             "padding": k["padding"],
             "padding_ratio": k["padding"] / n,
             "lower_bound_padding": k["lower_bound_padding"],
             "lower_bound_padding_ratio": k["lower_bound_padding"] / n,
+            "single_buffer_padding_ratio": k["single_buffer_padding"] / n,
+            "single_buffer_lower_bound_padding_ratio": k["single_buffer_lower_bound_padding"] / n,
             **{f"{peer}_padding": k[peer].padding for peer in ("fsdp2", "fsdp1", "zero3")},
             **{
                 f"{peer}_padding_ratio": k[peer].padding_ratio
@@ -317,6 +354,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "reduce_dtype": reduce_dtype,
         "alignment_bytes": args.alignment_bytes,
         "member_gaps": bool(args.member_gaps),
+        "max_buffers": max_buffers,
         **{k: v for k, v in summary(total).items() if k != "shard_sizes"},
         "split_blocks": 0,
         "plan_seconds": plan_seconds,
@@ -331,15 +369,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         from raggedfsdp.planner._draw import draw_layout
 
         gname = args.png_group or max(groups, key=lambda g: g.numel).name
-        if gname not in layouts:
+        if gname not in buffers:
             raise ValueError(
                 f"--png-group {gname!r} is not a group of {name}; groups: "
                 f"{', '.join(list(layouts)[:6])}, ..."
             )
+        drawn = max(buffers[gname], key=lambda lay: lay.total_numel)  # its largest buffer
+        which = "" if len(buffers[gname]) == 1 else f" (largest of {len(buffers[gname])} buffers)"
         draw_layout(
-            layouts[gname],
+            drawn,
             args.png,
-            title=f"{name} {gname}: {layouts[gname].describe()}"
+            title=f"{name} {gname}{which}: {drawn.describe()}"
             + (f", each of {replicate} replicas" if args.mesh is not None else ""),
             max_ranks=args.png_ranks,
         )
@@ -376,8 +416,9 @@ def _print(report: dict[str, Any]) -> None:
         + (", member gaps" if r["member_gaps"] else "")
     )
     head = (
-        f"{'kind':<7} {'groups':>6} {'params':>9} {'S (elems/rank)':>22} {'padding':>9} "
-        f"{'pad %':>8} {'bound %':>8} {'FSDP2 %':>9} {'FSDP1 %':>8} {'ZeRO3 %':>8}"
+        f"{'kind':<7} {'groups':>6} {'buffers':>7} {'colls':>6} {'params':>9} "
+        f"{'S (elems/rank)':>22} {'padding':>9} {'pad %':>8} {'bound %':>8} {'1-buf %':>8} "
+        f"{'FSDP2 %':>9} {'FSDP1 %':>8} {'ZeRO3 %':>8}"
     )
     print(head)
     rows = list(r["kinds"].items()) + [("total", r)]
@@ -389,9 +430,12 @@ def _print(report: dict[str, Any]) -> None:
             else (f"{sizes[0]:,}" if len(sizes) == 1 else f"{sizes[0]:,}..{sizes[-1]:,}")
         )
         print(
-            f"{kind:<7} {k['groups']:>6} {_fmt_elems(k['params']):>9} {s_txt:>22} "
+            f"{kind:<7} {k['groups']:>6} {k['buffers']:>7} {k['collectives_per_step']:>6} "
+            f"{_fmt_elems(k['params']):>9} {s_txt:>22} "
             f"{_fmt_elems(k['padding']):>9} {100 * k['padding_ratio']:>8.3f} "
-            f"{100 * k['lower_bound_padding_ratio']:>8.3f} {100 * k['fsdp2_padding_ratio']:>9.3f} "
+            f"{100 * k['lower_bound_padding_ratio']:>8.3f} "
+            f"{100 * k['single_buffer_padding_ratio']:>8.3f} "
+            f"{100 * k['fsdp2_padding_ratio']:>9.3f} "
             f"{100 * k['fsdp1_padding_ratio']:>8.3f} {100 * k['zero3_padding_ratio']:>8.3f}"
         )
     print(

@@ -190,7 +190,8 @@ def _plan_at(model: str, ranks: int, block_rows: int) -> list:
 
 def test_mesh_plans_at_the_shard_group_and_counts_the_all_reduce(capsys):
     rc, out, _ = run(capsys, "--model", "llama3-8b", "--mesh", "replicate=4,shard=16",
-                     "--block-rows", "128", "--reduce-dtype", "float32", "--json")  # fmt: skip
+                     "--block-rows", "128", "--reduce-dtype", "float32", "--max-buffers", "1",
+                     "--json")  # fmt: skip
     assert rc == 0
     report = json.loads(out)
     layouts = _plan_at("llama3-8b", 16, 128)  # bfloat16 buffers: 2 bytes; float32 grads: 4
@@ -211,7 +212,7 @@ def test_mesh_plans_at_the_shard_group_and_counts_the_all_reduce(capsys):
     )
     # the padding (ours and the peers') is the plain plan's over the 16 ranks of a group
     rc, out, _ = run(capsys, "--model", "llama3-8b", "--world", "16", "--block-rows", "128",
-                     "--reduce-dtype", "float32", "--json")  # fmt: skip
+                     "--reduce-dtype", "float32", "--max-buffers", "1", "--json")  # fmt: skip
     plain = json.loads(out)
     for key in ("padding", "fsdp2_padding", "fsdp1_padding", "zero3_padding", "all_gather_bytes"):
         assert report[key] == plain[key], key
@@ -245,13 +246,37 @@ def test_mesh_text_report(capsys):
         "raggedfsdp plan: deepseek-v3 (671.03B params), mesh replicate=8 x shard=128 (1024 "
         "ranks; buffers planned over the 128 ranks of a shard group)"
     )
-    total = next(ln for ln in lines if ln.startswith("total"))
-    assert float(total.split()[4]) < 1.0  # the issue's figure: 0.7% over 128 ranks
+    # total: groups, buffers, collectives, params, padding, pad %, bound %, 1-buffer pad %, ...
+    total = next(ln for ln in lines if ln.startswith("total")).split()
+    assert float(total[8]) < 1.0  # one buffer per group: 0.7% over 128 ranks
+    assert float(total[6]) <= float(total[8])
     assert "HSDP all-reduce over 8 replicas: " in out and "bytes per rank per step:" in out
     rc, out, _ = run(capsys, *argv, "--world", "1024")
-    total = next(ln for ln in out.splitlines() if ln.startswith("total"))
-    assert float(total.split()[4]) > 50.0  # and 54% over 1024
+    total = next(ln for ln in out.splitlines() if ln.startswith("total")).split()
+    assert float(total[8]) > 50.0  # 54% over 1024 in one buffer per group,
+    assert float(total[6]) < 3.0  # 2.27% in up to 4 (multi-buffer groups)
     assert "HSDP" not in out
+
+
+def test_multi_buffer_plan_report(capsys):
+    """deepseek-v3, 16-row blocks, 1024 ranks: one buffer per group pads 54%; up to 4
+    buffers pad under 3%, each buffer's bound summed and every count consistent."""
+    argv = ["--model", "deepseek-v3", "--block-rows", "16", "--world", "1024", "--json"]
+    _, out, _ = run(capsys, *argv, "--max-buffers", "1")
+    one = json.loads(out)
+    _, out, _ = run(capsys, *argv)
+    multi = json.loads(out)
+    assert one["max_buffers"] == 1 and multi["max_buffers"] == 4
+    assert one["buffers"] == one["groups"] == multi["groups"] == 63
+    assert 63 < multi["buffers"] <= 4 * 63
+    assert multi["collectives_per_step"] == 3 * multi["buffers"]
+    assert one["padding_ratio"] == pytest.approx(0.5401, abs=1e-4)
+    assert multi["single_buffer_padding_ratio"] == one["padding_ratio"]
+    assert multi["single_buffer_lower_bound_padding_ratio"] == one["lower_bound_padding_ratio"]
+    assert multi["lower_bound_padding_ratio"] <= multi["padding_ratio"] < 0.03
+    assert multi["padding"] < one["padding"] and multi["params"] == one["params"]
+    _, _, err = run(capsys, *argv, "--exact", "--max-buffers", "2")
+    assert "--exact solves one buffer per group, but --max-buffers is 2" in err
 
 
 @pytest.mark.parametrize(
