@@ -9,10 +9,16 @@ stepped (forward, backward, optimizer step) under a memory tracker::
 
     python -m raggedfsdp simulate --model llama3-70b --world 1024 --layers 2 --ac
     python -m raggedfsdp simulate --model gpt-oss-120b --world 256 --system both --json
+    python -m raggedfsdp simulate --model llama3-70b --mesh replicate=4,shard=64 --png t.png
+
+``--mesh replicate=R,shard=S`` simulates HSDP: both systems ``fully_shard`` over a 2-D
+``DeviceMesh`` ``(R, S)`` named ``("replicate", "shard")`` of the fake process group
+(``R * S`` ranks): all-gather and reduce-scatter within a shard group of S ranks, then
+an all-reduce of the shard gradients over the R replicas (counted as ``all_reduce``).
 
     from raggedfsdp.simulate import SimConfig, simulate
     result = simulate(SimConfig(model="llama3-70b", world=1024, system="raggedfsdp"))
-    result["peak"]["total"], result["roles"], result["comm"]
+    result["peak"]["total"], result["roles"], result["comm"], result["timeline"]
 
 [Note: what the simulation measures]
 - **Memory** is ``MemTracker``'s (``torch.distributed._tools.mem_tracker``): every
@@ -35,7 +41,18 @@ stepped (forward, backward, optimizer step) under a memory tracker::
   propagation (``ShardingPropagator._propagate_tensor_meta_non_cached``) and the
   tracker skips what runs inside it.
 - **Collectives** are ``raggedfsdp.profiling.CommCounter``'s (fake tensors counted as
-  real ones: their bytes are their shapes'), per kind, with each event's bytes.
+  real ones: their bytes are their shapes'), per kind, with each event's bytes and the
+  ranks of its process group.
+- **Timeline**: the total after every op of the measured step, and the bytes by role
+  (the same classification, replayed from the log) after at most 400 of them: in each
+  of 400 equal runs of ops, the op where the total is highest, so the peak is drawn.
+- **FSDP2's own tracker** (``FSDPMemTracker``) measures one more step of FSDP2, as a
+  cross-check of the peak, used as torch ships it (it skips ops run under a fake mode
+  other than the one active when it was entered; DTensor's propagation, cached since
+  the warm-up, runs no op in either measured step). It subclasses MemTracker, so it
+  sees the same storages and differs in its categories (all-gather and reduce-scatter
+  buffers, sharded and unsharded parameters and gradients): it checks the step and the
+  classification more than the counting. Where it fails, its error is the result.
 - **Allocations** are storages created or resized from empty during the step, and
   their distinct sizes: the pressure on a caching allocator.
 - **MoE routing** is data dependent (``bincount().tolist()``); on fake tensors each
@@ -70,8 +87,10 @@ __all__ = [
     "SimConfig",
     "build_model",
     "buildable_config",
+    "cross_check",
     "fake_world",
     "main",
+    "plot_timeline",
     "shard_model",
     "simulate",
     "time_fully_shard",
@@ -111,6 +130,9 @@ class SimConfig:
             state). Default 1.
         width: divide the model's widths (dim, heads, FFN) by this, for tests.
             Default 1.
+        replicate: HSDP over a mesh ``(replicate, world // replicate)`` named
+            ``("replicate", "shard")``; None: a 1-D mesh of ``world`` ranks (FSDP).
+            Default None.
     """
 
     model: str
@@ -125,6 +147,7 @@ class SimConfig:
     rank: int = 0
     warmup: int = 1
     width: int = 1
+    replicate: int | None = None
 
     def __post_init__(self) -> None:
         if self.system not in SYSTEMS:
@@ -142,6 +165,24 @@ class SimConfig:
                 raise ValueError(f"SimConfig: {name} must be >= 1, got {getattr(self, name)}")
         if self.layers is not None and self.layers < 1:
             raise ValueError(f"SimConfig: layers must be >= 1 or None, got {self.layers}")
+        if self.replicate is not None and (self.replicate < 1 or self.world % self.replicate):
+            raise ValueError(
+                f"SimConfig: replicate={self.replicate} does not divide world={self.world}; "
+                "the HSDP mesh is (replicate, world // replicate): pass a divisor of world, "
+                "or None for a 1-D mesh"
+            )
+
+    @property
+    def mesh(self) -> dict[str, int] | None:
+        """``{"replicate": R, "shard": S}`` for HSDP, None for a 1-D mesh."""
+        if self.replicate is None:
+            return None
+        return {"replicate": self.replicate, "shard": self.world // self.replicate}
+
+    @property
+    def shard_ranks(self) -> int:
+        """Ranks a buffer is sharded over (S): the shard dim's size, or ``world``."""
+        return self.world // (self.replicate or 1)
 
 
 # ================================================================================================
@@ -157,25 +198,22 @@ def buildable_config(name: str, layers: int | None = None, width: int = 1):
 
     Returns:
         ``(config, note)``: the config, and what was changed to build it ("" if nothing).
-
-    Raises:
-        NotImplementedError: MLA attention (DeepSeek), which the modules do not build.
+        A cut MoE model keeps at least one MoE block (its leading dense blocks give way).
     """
     from raggedfsdp.models import get_config
 
     c = get_config(name)
     notes = []
-    if c.attention == "mla":
-        raise NotImplementedError(
-            f"simulate: {name!r} uses MLA attention, which raggedfsdp.models.Transformer "
-            f"does not build; its shapes can still be planned (python -m raggedfsdp plan)"
-        )
     if c.fused_gate_up or c.expert_bias or c.attn_sinks:
         c = dataclasses.replace(c, fused_gate_up=False, expert_bias=False, attn_sinks=False)
         notes.append("unfused experts w1/w2/w3, no expert biases, no attention sinks")
     if layers is not None and layers != c.n_layers:
-        c = dataclasses.replace(c, n_layers=layers, n_dense_layers=min(c.n_dense_layers, layers))
-        notes.append(f"{layers} of {get_config(name).n_layers} blocks")
+        dense = min(c.n_dense_layers, layers - 1 if c.n_experts else layers)
+        c = dataclasses.replace(c, n_layers=layers, n_dense_layers=max(dense, 0))
+        notes.append(
+            f"{layers} of {get_config(name).n_layers} blocks"
+            + (f" ({c.n_dense_layers} dense)" if c.n_experts and c.n_dense_layers else "")
+        )
     if width > 1:
         head_dim = max(2, (c.head_dim or c.dim // c.n_heads) // width // 2 * 2)
         heads = max(c.n_kv_heads // width, 1) * max(c.n_heads // c.n_kv_heads, 1)
@@ -189,6 +227,15 @@ def buildable_config(name: str, layers: int | None = None, width: int = 1):
             moe_ffn_dim=max(c.moe_ffn_dim // width, 1) if c.moe_ffn_dim else 0,
             vocab_size=max(c.vocab_size // width, 16),
         )
+        if c.attention == "mla":  # the latent ranks and head dims shrink alike
+            c = dataclasses.replace(
+                c,
+                q_lora_rank=max(c.q_lora_rank // width, 1),
+                kv_lora_rank=max(c.kv_lora_rank // width, 1),
+                qk_nope_head_dim=max(c.qk_nope_head_dim // width, 1),
+                qk_rope_head_dim=max(c.qk_rope_head_dim // width // 2 * 2, 2),
+                v_head_dim=max(c.v_head_dim // width, 1),
+            )
         notes.append(f"widths divided by {width}")
     return c, "; ".join(notes)
 
@@ -251,8 +298,18 @@ def shard_model(model: nn.Module, mesh, system: str, mp: str) -> None:
 
 
 @contextlib.contextmanager
-def fake_world(world: int, rank: int = 0) -> Iterator[Any]:
-    """torch's fake process group of ``world`` ranks as ``rank``; yields its 1-D CPU mesh."""
+def fake_world(world: int, rank: int = 0, replicate: int | None = None) -> Iterator[Any]:
+    """torch's fake process group of ``world`` ranks as ``rank``; yields its CPU mesh.
+
+    Args:
+        world: ranks.
+        rank: this process's rank. Default 0.
+        replicate: None: a 1-D mesh of ``world`` ranks; else the 2-D HSDP mesh
+            ``(replicate, world // replicate)`` named ``("replicate", "shard")``.
+            Default None.
+
+    The mesh is built here, outside any ``FakeTensorMode`` (its rank tensor is real).
+    """
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -261,7 +318,12 @@ def fake_world(world: int, rank: int = 0) -> Iterator[Any]:
         dist.destroy_process_group()
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
-        yield init_device_mesh("cpu", (world,))
+        if replicate is None:
+            yield init_device_mesh("cpu", (world,))
+        else:
+            yield init_device_mesh(
+                "cpu", (replicate, world // replicate), mesh_dim_names=("replicate", "shard")
+            )
     finally:
         dist.destroy_process_group()
 
@@ -312,7 +374,9 @@ def _mem_tracker():
     Each storage it tracks gets a serial number (``serial_of``); ``log`` holds
     ``(serial, bytes, MemTracker category)`` after each change, and ``peak_at`` the log's
     length when the peak was reached, so the storages alive at the peak are a replay
-    of the log, classified once the step is over (``roles``).
+    of the log, classified once the step is over (``roles``). While ``counting``, each op
+    appends the total to ``timeline`` and the log's length to ``marks``: the storages
+    alive after any op are a replay too (``_role_timeline``).
     """
     from torch.distributed._tools.common_utils import get_untyped_storages
     from torch.distributed._tools.mem_tracker import MemTracker, _UpdateType
@@ -325,6 +389,7 @@ def _mem_tracker():
             self.log: list[tuple[int, int, str]] = []
             self.peak_at = 0
             self.timeline: list[int] = []  # total bytes after each op of the step
+            self.marks: list[int] = []  # len(log) after each op of the step
             self._best = -1
             self._serials = iter(range(1 << 62))
 
@@ -358,6 +423,7 @@ def _mem_tracker():
             total = sum(s["Total"] for s in self._curr_mem_snap.values())
             if self.counting:
                 self.timeline.append(total)
+                self.marks.append(len(self.log))
             if total > self._best:
                 self._best, self.peak_at = total, len(self.log)
 
@@ -371,9 +437,24 @@ def _mem_tracker():
     return SimTracker()
 
 
+def _group_ranks(func, args, kwargs) -> int:
+    """Ranks of the process group a c10d op runs over (0 if it names none)."""
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    named = dict(zip((a.name for a in func._schema.arguments), args)) | (kwargs or {})
+    for name, value in named.items():
+        if isinstance(value, torch.ScriptObject):  # c10d ops: the ProcessGroup itself
+            return dist.ProcessGroup.unbox(value).size()
+        if name == "group_name":  # functional collectives: the group's name
+            return _resolve_process_group(value).size()
+    return 0
+
+
 def _comm_counter(tracker):
     """``CommCounter`` that counts collectives on fake tensors and notes the serials (in
-    ``tracker``) of the storages they read and write. Enter it inside ``tracker``."""
+    ``tracker``) of the storages they read and write, and each one's group size (in
+    ``ranks``, parallel to ``events``). Enter it inside ``tracker``."""
     from torch._subclasses.fake_tensor import FakeTensor
 
     from raggedfsdp.profiling import CommCounter
@@ -382,12 +463,14 @@ def _comm_counter(tracker):
         def __init__(self):
             super().__init__()
             self.serials: set[int] = set()
+            self.ranks: list[int] = []
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             seen = tuple(torch.Tensor if issubclass(t, FakeTensor) else t for t in types)
             n = len(self.events)
             out = super().__torch_dispatch__(func, seen, args, kwargs)
             if len(self.events) > n:
+                self.ranks.append(_group_ranks(func, args, kwargs))
                 for t in _local_tensors((args, kwargs, out)):
                     self.serials |= tracker.serial_of(t)
             return out
@@ -395,35 +478,73 @@ def _comm_counter(tracker):
     return FakeCommCounter()
 
 
-def _classify(at_peak, sharded, grads, opt_state, comm) -> dict[str, int]:
-    """Bytes by role of the storages alive at the peak. See [Note: what the simulation measures]."""
+def _role(serial: int, reftype: str, sharded, grads, opt_state, comm) -> str:
+    """The role of one storage. See [Note: what the simulation measures]."""
+    if serial in sharded:
+        return "sharded_params"
+    if serial in opt_state or reftype == "OPT":
+        return "optimizer"
+    if serial in grads:
+        return "sharded_grads"
+    if reftype == "GRAD":
+        return "unsharded_grads"
+    if reftype == "PARAM":
+        return "unsharded_params"
+    if serial in comm:
+        return "comm_buffers"
+    if reftype == "TEMP":
+        return "temporaries"
+    return "activations"
+
+
+def _classify(at_peak, *known) -> dict[str, int]:
+    """Bytes by role of the storages alive at the peak (``known``: ``_role``'s sets)."""
     out = dict.fromkeys(ROLES, 0)
     for serial, (nbytes, reftype) in at_peak.items():
-        if serial in sharded:
-            role = "sharded_params"
-        elif serial in opt_state or reftype == "OPT":
-            role = "optimizer"
-        elif serial in grads:
-            role = "sharded_grads"
-        elif reftype == "GRAD":
-            role = "unsharded_grads"
-        elif reftype == "PARAM":
-            role = "unsharded_params"
-        elif serial in comm:
-            role = "comm_buffers"
-        elif reftype == "TEMP":
-            role = "temporaries"
-        else:
-            role = "activations"
-        out[role] += nbytes
+        out[_role(serial, reftype, *known)] += nbytes
     return out
+
+
+def _role_timeline(tracker, known, phases: dict[str, int], n: int = 400) -> dict[str, Any]:
+    """Bytes by role after at most ``n`` ops of the measured step, replayed from the log.
+
+    In each of ``n`` equal runs of ops, the op where the total is highest (so the peak is
+    one of them). Returns ``ops`` (ops in the step), ``at`` (the op indices), ``total``
+    and ``roles`` (``{role: bytes at each}``), and ``phases`` (``{name: first op}``).
+    """
+    xs = tracker.timeline
+    edges = [round(i * len(xs) / n) for i in range(n + 1)] if len(xs) > n else range(len(xs) + 1)
+    at = [max(range(a, b), key=xs.__getitem__) for a, b in zip(edges, edges[1:]) if b > a]
+    roles: dict[str, list[int]] = {role: [] for role in ROLES}
+    totals = dict.fromkeys(ROLES, 0)
+    live: dict[int, tuple[int, str]] = {}  # serial -> (bytes, role)
+    done = 0
+    for op in at:
+        for serial, nbytes, reftype in tracker.log[done : tracker.marks[op]]:
+            if (old := live.pop(serial, None)) is not None:
+                totals[old[1]] -= old[0]
+            if nbytes:
+                live[serial] = (nbytes, _role(serial, reftype, *known))
+                totals[live[serial][1]] += nbytes
+        done = tracker.marks[op]
+        for role in ROLES:
+            roles[role].append(totals[role])
+    return {
+        "ops": len(xs),
+        "at": at,
+        "total": [xs[i] for i in at],
+        "roles": roles,
+        "phases": phases,
+    }
 
 
 # ================================================================================================
 # What each system's layout says
 # ================================================================================================
-def _layout_facts(model: nn.Module, system: str, world: int, rank: int) -> dict[str, Any]:
-    """Per-group sizes from the system's own layout: the instrument's expected values."""
+def _layout_facts(model: nn.Module, system: str, world: int) -> dict[str, Any]:
+    """Per-group sizes from the system's own layout: the instrument's expected values.
+
+    ``world``: the ranks a buffer is sharded over (the shard dim's, under HSDP)."""
     groups = []
     if system == "raggedfsdp":
         from raggedfsdp.fsdp import buffers_of
@@ -480,24 +601,27 @@ def simulate(cfg: SimConfig) -> dict[str, Any]:
     """Build, shard and step ``cfg.model`` as rank ``cfg.rank`` of ``cfg.world``; measure it.
 
     Returns:
-        A JSON-able dict: ``config``, ``note`` (what was changed to build the model),
-        ``params`` (elements), ``layout`` (per-group sizes from the system's layout),
-        ``peak`` (MemTracker's categories at the peak, bytes), ``roles`` (bytes by role
-        at the same peak), ``comm`` (``{kind: [count, input bytes, output bytes]}``),
-        ``comm_events`` (``[kind, input bytes, output bytes]`` per collective),
-        ``allocations`` and ``distinct_sizes`` (during the measured step),
-        ``shard_s``, ``warmup_s``, ``step_s`` (wall seconds).
+        A JSON-able dict: ``config``, ``mesh`` (``{"replicate": R, "shard": S}``, None
+        for a 1-D mesh), ``note`` (what was changed to build the model), ``params``
+        (elements), ``layout`` (per-group sizes from the system's layout), ``peak``
+        (MemTracker's categories at the peak, bytes), ``roles`` (bytes by role at the
+        same peak), ``comm`` (``{kind: [count, input bytes, output bytes]}``),
+        ``comm_events`` (``[kind, input bytes, output bytes, group ranks]`` per
+        collective), ``allocations`` and ``distinct_sizes`` (during the measured step),
+        ``timeline`` (see ``_role_timeline``), ``fsdp_mem_tracker`` (FSDP2 only:
+        ``{"peak": {category: bytes}}`` or ``{"error": ...}``), ``shard_s``,
+        ``warmup_s``, ``step_s``, ``fsdp_tracker_s`` (wall seconds).
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     gc.collect()
-    with fake_world(cfg.world, cfg.rank) as mesh:
+    with fake_world(cfg.world, cfg.rank, cfg.replicate) as mesh:
         model, note = build_model(cfg)
         t0 = time.perf_counter()
         shard_model(model, mesh, cfg.system, cfg.mp)
         shard_s = time.perf_counter() - t0
         n_params = sum(p.numel() for p in model.parameters())
-        facts = _layout_facts(model, cfg.system, cfg.world, cfg.rank)
+        facts = _layout_facts(model, cfg.system, cfg.shard_ranks)
         vocab = model.config.vocab_size
         with FakeTensorMode(allow_non_fake_inputs=True), _Propagation.patched():
             model.to_empty(device="cpu")
@@ -508,11 +632,14 @@ def simulate(cfg: SimConfig) -> dict[str, Any]:
             )
             tokens = torch.randint(0, vocab, (cfg.batch, cfg.seq + 1), device="cpu")
 
-            def step(zero: bool = True) -> None:
+            def step(zero: bool = True, mark=lambda phase: None) -> None:
                 from raggedfsdp.models import lm_loss
 
-                lm_loss(model(tokens[:, :-1]), tokens[:, 1:]).backward()
+                loss = lm_loss(model(tokens[:, :-1]), tokens[:, 1:])
+                mark("backward")
+                loss.backward()
                 if opt is not None:
+                    mark("optimizer")
                     opt.step()
                     if zero:
                         opt.zero_grad(set_to_none=True)
@@ -529,52 +656,80 @@ def simulate(cfg: SimConfig) -> dict[str, Any]:
                 return set().union(*map(tracker.serial_of, _local_tensors(tree)))
 
             sharded = serials(list(model.parameters()))
+            phases = {"forward": 0}
             t0 = time.perf_counter()
             with tracker, comms:
                 tracker.counting = True
-                step(zero=False)  # keep the .grads to know their storages
+                # keep the .grads to know their storages
+                step(zero=False, mark=lambda phase: phases.setdefault(phase, len(tracker.timeline)))
                 tracker.counting = False
             step_s = time.perf_counter() - t0
             grads = serials([p.grad for p in model.parameters() if p.grad is not None])
             opt_state = serials(list(opt.state.values())) if opt is not None else set()
             peak = next(iter(tracker.get_tracker_snapshot("peak").values()), {})
-            roles = _classify(tracker.at_peak(), sharded, grads, opt_state, comms.serials)
+            known = (sharded, grads, opt_state, comms.serials)
+            roles = _classify(tracker.at_peak(), *known)
+            timeline = _role_timeline(tracker, known, phases)
             if opt is not None:
                 opt.zero_grad(set_to_none=True)
+            t0 = time.perf_counter()
+            cross = _fsdp_mem_tracker(model, opt, step) if cfg.system == "fsdp2" else None
+            cross_s = time.perf_counter() - t0
         result = {
             "config": dataclasses.asdict(cfg),
+            "mesh": cfg.mesh,
             "note": note,
             "params": n_params,
             "layout": facts,
             "peak": {getattr(k, "name", str(k)).lower(): int(v) for k, v in peak.items()},
             "roles": roles,
             "comm": {k: list(v) for k, v in comms.summary().items()},
-            "comm_events": [[e.kind, e.input_bytes, e.output_bytes] for e in comms.events],
+            "comm_events": [
+                [e.kind, e.input_bytes, e.output_bytes, ranks]
+                for e, ranks in zip(comms.events, comms.ranks)
+            ],
             "allocations": sum(tracker.alloc_sizes.values()),
             "distinct_sizes": len(tracker.alloc_sizes),
-            "timeline": _downsample(tracker.timeline, 400),
+            "timeline": timeline,
+            "fsdp_mem_tracker": cross,
             "shard_s": shard_s,
             "warmup_s": warmup_s,
             "step_s": step_s,
+            "fsdp_tracker_s": cross_s if cross is not None else None,
         }
     gc.collect()
     return result
 
 
-def _downsample(xs: list[int], n: int) -> list[int]:
-    """At most ``n`` points of ``xs``: the maximum of each of ``n`` equal runs."""
-    if len(xs) <= n:
-        return list(xs)
-    edges = [round(i * len(xs) / n) for i in range(n + 1)]
-    return [max(xs[a:b]) for a, b in zip(edges, edges[1:]) if b > a]
+def _fsdp_mem_tracker(model: nn.Module, opt, step) -> dict[str, Any]:
+    """One more ``step`` of an FSDP2 ``model`` under torch's ``FSDPMemTracker``: its peak
+    by its own categories, or the error it raised (a result too, not a crash)."""
+    try:
+        from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+        fmt = FSDPMemTracker(model, opt)
+        with fmt:
+            step(zero=False)
+        peak = next(iter(fmt.get_tracker_snapshot("peak").values()), {})
+        return {"peak": {getattr(k, "name", str(k)).lower(): int(v) for k, v in peak.items()}}
+    except Exception as e:  # the cross-check failing is what it measured
+        return {"error": f"{type(e).__name__}: {e}"}
+    finally:
+        if opt is not None:
+            opt.zero_grad(set_to_none=True)
 
 
-def time_fully_shard(model: str, world: int, system: str = "raggedfsdp") -> dict[str, Any]:
+def time_fully_shard(
+    model: str, world: int, system: str = "raggedfsdp", replicate: int | None = None
+) -> dict[str, Any]:
     """Wall time of ``fully_shard`` of the whole catalogue ``model`` (all blocks, on ``meta``)
-    over a fake process group of ``world`` ranks, and what it keeps (Python objects)."""
-    cfg = SimConfig(model=model, world=world, layers=None, system=system, ac=False, seq=16)
+    over a fake process group of ``world`` ranks (HSDP with ``replicate`` replicas if not
+    None), and what it keeps (Python objects)."""
+    cfg = SimConfig(
+        model=model, world=world, layers=None, system=system, ac=False, seq=16, replicate=replicate
+    )
     gc.collect()
-    with fake_world(world) as mesh:
+    with fake_world(world, replicate=replicate) as mesh:
         m, note = build_model(cfg)
         gc.collect()
         before = len(gc.get_objects())
@@ -589,6 +744,7 @@ def time_fully_shard(model: str, world: int, system: str = "raggedfsdp") -> dict
     return {
         "model": model,
         "world": world,
+        "mesh": cfg.mesh,
         "system": system,
         "blocks": blocks,
         "note": note,
@@ -604,27 +760,158 @@ def _mib(n: float) -> str:
     return f"{n / 2**20:,.1f}"
 
 
+def _mesh_text(mesh: dict[str, int] | None, world: int) -> str:
+    """``mesh replicate=R x shard=S`` (HSDP) or ``N ranks`` (a 1-D mesh)."""
+    return (
+        f"mesh replicate={mesh['replicate']} x shard={mesh['shard']}" if mesh else f"{world} ranks"
+    )
+
+
+def cross_check(r: dict[str, Any]) -> float | None:
+    """FSDPMemTracker's peak relative to MemTracker's, minus 1 (None if it did not run)."""
+    fmt = r.get("fsdp_mem_tracker") or {}
+    if "peak" not in fmt or not r["peak"].get("total"):
+        return None
+    return fmt["peak"].get("total", 0) / r["peak"]["total"] - 1
+
+
 def format_result(r: dict[str, Any]) -> str:
     """A human-readable report of one ``simulate`` result."""
     c = r["config"]
+    ranks: dict[str, set[int]] = {}
+    for kind, _, _, n in r["comm_events"]:
+        ranks.setdefault(kind, set()).add(n)
     lines = [
         f"{c['system']}: {c['model']} ({c['layers']} blocks, {r['params']:,} params), "
-        f"rank {c['rank']} of {c['world']}, batch {c['batch']} x {c['seq']}, mp {c['mp']}, "
-        f"optim {c['optim']}, AC {'on' if c['ac'] else 'off'}"
-        + (f"  [{r['note']}]" if r["note"] else ""),
+        f"rank {c['rank']} of {c['world']} ({_mesh_text(r['mesh'], c['world'])}), "
+        f"batch {c['batch']} x {c['seq']}, mp {c['mp']}, optim {c['optim']}, "
+        f"AC {'on' if c['ac'] else 'off'}" + (f"  [{r['note']}]" if r["note"] else ""),
         f"  peak {_mib(r['peak'].get('total', 0))} MiB; MemTracker: "
         + ", ".join(f"{k} {_mib(v)}" for k, v in r["peak"].items() if k != "total" and v),
         "  by role: " + ", ".join(f"{k} {_mib(v)}" for k, v in r["roles"].items() if v),
         "  collectives: "
         + ", ".join(
-            f"{k} {n}x in {_mib(i)} out {_mib(o)} MiB" for k, (n, i, o) in r["comm"].items()
+            f"{k} {n}x in {_mib(i)} out {_mib(o)} MiB "
+            f"(groups of {'/'.join(map(str, sorted(ranks[k])))} ranks)"
+            for k, (n, i, o) in r["comm"].items()
         ),
         f"  padding {r['layout']['padding_elems']:,} elements; allocations {r['allocations']} "
         f"({r['distinct_sizes']} distinct sizes)",
         f"  fully_shard {r['shard_s']:.2f} s, warm-up {r['warmup_s']:.2f} s, "
         f"measured step {r['step_s']:.2f} s",
     ]
+    fmt = r.get("fsdp_mem_tracker")
+    if fmt is not None and "error" in fmt:
+        lines.append(f"  FSDPMemTracker (FSDP2's own, one more step) failed: {fmt['error']}")
+    elif fmt is not None:
+        lines.append(
+            f"  FSDPMemTracker (FSDP2's own, one more step): peak "
+            f"{_mib(fmt['peak'].get('total', 0))} MiB ({cross_check(r):+.1%} vs MemTracker's); "
+            + ", ".join(f"{k} {_mib(v)}" for k, v in fmt["peak"].items() if k != "total" and v)
+        )
     return "\n".join(lines)
+
+
+ROLE_COLORS = {
+    "sharded_params": "#4c72b0",
+    "unsharded_params": "#8fb0e0",
+    "comm_buffers": "#dd8452",
+    "sharded_grads": "#55a868",
+    "unsharded_grads": "#a6d9a0",
+    "optimizer": "#8172b3",
+    "activations": "#c44e52",
+    "temporaries": "#f0a0a0",
+}
+
+
+def plot_timeline(results: list[dict[str, Any]], path: str) -> None:
+    """Allocated bytes by role over the measured step's ops, one panel per result (same
+    y-scale), stacked; the phases and the peak marked. Needs matplotlib (the ``train``
+    extra)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    top = max(r["peak"].get("total", 0) for r in results)
+    unit, scale = ("GiB", 2**30) if top >= 2**30 else ("MiB", 2**20)
+    fig, axes = plt.subplots(
+        1, len(results), figsize=(6.5 * len(results), 4.2), sharey=True, squeeze=False
+    )
+    for ax, r in zip(axes[0], results):
+        t = r["timeline"]
+        ax.stackplot(
+            t["at"],
+            [[b / scale for b in t["roles"][role]] for role in ROLES],
+            labels=[role.replace("_", " ") for role in ROLES],
+            colors=[ROLE_COLORS[role] for role in ROLES],
+            step="post",
+        )
+        for phase, op in t["phases"].items():
+            right = op > 0.8 * t["ops"]  # a label near the end goes on the line's left
+            ax.axvline(op, color="0.3", lw=0.8, ls=":")
+            ax.annotate(phase, (op, 1), xycoords=("data", "axes fraction"), fontsize=8,
+                        xytext=(-2 if right else 2, -10), textcoords="offset points",
+                        ha="right" if right else "left")  # fmt: skip
+        peak = r["peak"].get("total", 0) / scale
+        ax.axhline(peak, color="k", lw=0.6)
+        ax.set_title(f"{r['config']['system']}: peak {peak:,.2f} {unit}", fontsize=10)
+        ax.set_xlabel(f"op of the measured step (of {t['ops']:,})")
+        ax.set_xlim(0, max(t["ops"] - 1, 1))
+    axes[0][0].set_ylabel(f"allocated per rank ({unit})")
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles[::-1], labels[::-1], loc="center right", fontsize=8)
+    c = results[0]["config"]
+    fig.suptitle(
+        f"{c['model']}, {c['layers']} blocks, rank {c['rank']} of {c['world']} "
+        f"({_mesh_text(results[0]['mesh'], c['world'])}), batch {c['batch']} x {c['seq']}",
+        fontsize=11,
+    )
+    fig.tight_layout(rect=(0, 0, 0.86, 1))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+MESH_DIMS = ("replicate", "shard")
+_FUTURE_DIMS = {
+    "tp": "tensor parallel",
+    "ep": "expert parallel",
+    "cp": "context parallel",
+    "pp": "pipeline parallel",
+}
+_MESH_EXAMPLE = "e.g. --mesh replicate=4,shard=64"
+
+
+def parse_mesh(text: str, world: int | None) -> tuple[int, int]:
+    """``--mesh replicate=R,shard=S`` (checked against ``--world`` if given) as ``(R, S)``.
+
+    Raises:
+        ValueError: what ``raggedfsdp._mesh_arg.parse_mesh_pairs`` raises, a missing dim,
+            or a ``world`` other than ``R * S``.
+        NotImplementedError: a dim of a parallelism ``simulate`` does not run (tp, ep, ...).
+    """
+    from raggedfsdp._mesh_arg import parse_mesh_pairs
+
+    sizes = parse_mesh_pairs(
+        text,
+        MESH_DIMS,
+        _FUTURE_DIMS,
+        _MESH_EXAMPLE,
+        "simulate takes HSDP meshes: replicate=R,shard=S",
+    )
+    missing = [name for name in MESH_DIMS if name not in sizes]
+    if missing:
+        raise ValueError(
+            f"--mesh {text!r}: the {missing[0]!r} dim is missing; give both, {_MESH_EXAMPLE} "
+            "(or leave --mesh out and pass --world for a 1-D mesh)"
+        )
+    r, s = sizes["replicate"], sizes["shard"]
+    if world is not None and world != r * s:
+        raise ValueError(
+            f"--world {world} and --mesh {text} ({r} x {s} = {r * s} ranks) disagree; drop "
+            f"--world (the mesh gives it) or make it {r * s}"
+        )
+    return r, s
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -634,7 +921,11 @@ def _parser() -> argparse.ArgumentParser:
         "category, collectives, allocations (see raggedfsdp/simulate.py).",
     )
     p.add_argument("--model", required=True, help="a catalogue model name")
-    p.add_argument("--world", type=int, default=64, help="ranks (default 64)")
+    p.add_argument("--world", type=int, help="ranks (default 64, or the --mesh's)")
+    p.add_argument(
+        "--mesh",
+        help="HSDP: replicate=R,shard=S (R x S ranks; shard over S, all-reduce over R)",
+    )
     p.add_argument("--layers", type=int, default=2, help="transformer blocks (default 2)")
     p.add_argument("--system", choices=(*SYSTEMS, "both"), default="both")
     p.add_argument("--optim", choices=("adamw", "none"), default="adamw")
@@ -645,45 +936,71 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--rank", type=int, default=0)
     p.add_argument("--warmup", type=int, default=1, help="unmeasured steps first (default 1)")
     p.add_argument("--time-shard", action="store_true", help="time fully_shard of all blocks")
+    p.add_argument("--png", help="draw the step's memory by role over its ops to this PNG")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+def _configs(args: argparse.Namespace) -> list[SimConfig]:
+    """One ``SimConfig`` per system; every argument checked (raises before any work)."""
+    replicate = None
+    world = 64 if args.world is None else args.world
+    if args.mesh is not None:
+        replicate, shard = parse_mesh(args.mesh, args.world)
+        world = replicate * shard
+    if args.png is not None and args.time_shard:
+        raise ValueError("--png draws a simulated step, which --time-shard does not run; drop one")
     systems = SYSTEMS if args.system == "both" else (args.system,)
+    return [
+        SimConfig(
+            model=args.model,
+            world=world,
+            layers=args.layers,
+            system=s,
+            optim=args.optim,
+            mp=args.mp,
+            batch=args.batch,
+            seq=args.seq,
+            ac=args.ac,
+            rank=args.rank,
+            warmup=args.warmup,
+            replicate=replicate,
+        )
+        for s in systems
+    ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``python -m raggedfsdp simulate``; returns the exit status."""
+    args = _parser().parse_args(argv)
+    try:
+        configs = _configs(args)
+    except (ValueError, NotImplementedError) as e:
+        print(f"raggedfsdp simulate: error: {e}", file=sys.stderr)
+        return 2
+    results: list[dict[str, Any]] = []
     if args.time_shard:
-        results: list[dict[str, Any]] = [
-            time_fully_shard(args.model, args.world, s) for s in systems
-        ]
-        for r in results:
+        for cfg in configs:
+            results.append(time_fully_shard(cfg.model, cfg.world, cfg.system, cfg.replicate))
+            r = results[-1]
             if not args.json:
                 print(
                     f"{r['system']}: fully_shard of {r['model']} ({r['blocks']} blocks) at "
-                    f"{r['world']} ranks: {r['seconds']:.2f} s, {r['gc_objects']:,} objects kept"
+                    f"{_mesh_text(r['mesh'], r['world'])}: {r['seconds']:.2f} s, "
+                    f"{r['gc_objects']:,} objects kept"
                 )
     else:
-        results = []
-        for s in systems:
-            cfg = SimConfig(
-                model=args.model,
-                world=args.world,
-                layers=args.layers,
-                system=s,
-                optim=args.optim,
-                mp=args.mp,
-                batch=args.batch,
-                seq=args.seq,
-                ac=args.ac,
-                rank=args.rank,
-                warmup=args.warmup,
-            )
+        for cfg in configs:
             results.append(simulate(cfg))
             if not args.json:
                 print(format_result(results[-1]), flush=True)
         if len(results) == 2 and not args.json:
             a, b = (r["peak"].get("total", 0) for r in results)
             print(f"peak raggedfsdp / FSDP2: {a / b:.3f}" if b else "")
+        if args.png is not None:
+            plot_timeline(results, args.png)
+            if not args.json:
+                print(f"memory over the step drawn to {args.png}")
     if args.json:
         for r in results:
             r.pop("timeline", None)

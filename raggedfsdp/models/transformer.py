@@ -7,6 +7,9 @@ and shapes that ``catalogue.param_groups(config)`` lists (a unit test checks it)
     layers.<i>                          TransformerBlock (one fully_shard group each)
       attention_norm, ffn_norm          RMSNorm(dim)
       attention.{wq, wk, wv, wo}        GQA with rotary position embeddings
+      attention.{wq_a, q_norm, wq_b,    or DeepSeek-V3's multi-head latent attention
+                 wkv_a, kv_norm,        (``attention="mla"``, ``MLAttention``)
+                 wkv_b, wo}
       feed_forward.{w1, w2, w3}         dense SwiGLU        (a dense block)
       moe.router.gate                   Linear(dim, E)      (an MoE block)
       moe.experts.{w1, w2, w3}          stacked [E, F, dim], [E, dim, F], [E, F, dim]
@@ -45,13 +48,20 @@ from torch.distributed.tensor import DTensor
 
 from raggedfsdp.models.catalogue import TransformerConfig
 
-__all__ = ["Transformer", "TransformerBlock", "Attention", "FeedForward", "MoE", "lm_loss"]
+__all__ = [
+    "Transformer",
+    "TransformerBlock",
+    "Attention",
+    "MLAttention",
+    "FeedForward",
+    "MoE",
+    "lm_loss",
+]
 
 
 def _check_supported(c: TransformerConfig) -> None:
     """Raise for configs these modules cannot build (valid in the catalogue, not trainable)."""
     unsupported = [
-        ("attention='mla'", c.attention == "mla"),
         ("attn_sinks=True", c.attn_sinks),
         ("fused_gate_up=True", c.fused_gate_up),
         ("expert_bias=True", c.expert_bias),
@@ -62,16 +72,19 @@ def _check_supported(c: TransformerConfig) -> None:
                 f"Transformer: config {c.name!r} has {what}, which the trainable modules do "
                 f"not implement; its shapes can still be planned through the catalogue"
             )
-    if c.n_heads % c.n_kv_heads:
+    if c.attention == "mla":
+        _check_mla(c)
+    elif c.n_heads % c.n_kv_heads:
         raise ValueError(
             f"Transformer: config {c.name!r}: n_heads ({c.n_heads}) must be a multiple of "
             f"n_kv_heads ({c.n_kv_heads}) for grouped-query attention"
         )
-    assert c.head_dim is not None
-    if c.head_dim % 2:
+    rope_dim = _rope_dim(c)
+    if rope_dim % 2:
+        what = "qk_rope_head_dim" if c.attention == "mla" else "head_dim"
         raise ValueError(
-            f"Transformer: config {c.name!r}: head_dim must be even for rotary embeddings, "
-            f"got {c.head_dim}"
+            f"Transformer: config {c.name!r}: {what} must be even for rotary embeddings, "
+            f"got {rope_dim}"
         )
     if c.n_experts and not 1 <= c.top_k <= c.n_experts:
         raise ValueError(
@@ -80,6 +93,35 @@ def _check_supported(c: TransformerConfig) -> None:
         )
     if any(not c.is_moe_layer(i) for i in range(c.n_layers)) and c.ffn_dim < 1:
         raise ValueError(f"Transformer: config {c.name!r} has dense blocks but ffn_dim < 1")
+
+
+def _check_mla(c: TransformerConfig) -> None:
+    """Raise for an MLA config whose sizes ``MLAttention`` cannot build."""
+    sizes = {
+        "q_lora_rank": c.q_lora_rank,
+        "kv_lora_rank": c.kv_lora_rank,
+        "qk_rope_head_dim": c.qk_rope_head_dim,
+        "v_head_dim": c.v_head_dim,
+    }
+    for what, value in sizes.items():
+        if value < 1:
+            raise ValueError(
+                f"Transformer: config {c.name!r} has attention='mla' but {what}={value}; "
+                f"MLA needs {what} >= 1 (set it as the published config does)"
+            )
+    if c.qk_nope_head_dim < 0:
+        raise ValueError(
+            f"Transformer: config {c.name!r}: qk_nope_head_dim must be >= 0, "
+            f"got {c.qk_nope_head_dim}"
+        )
+
+
+def _rope_dim(c: TransformerConfig) -> int:
+    """Width of the rotated part of a query / key head: the rotary table's head dim."""
+    if c.attention == "mla":
+        return c.qk_rope_head_dim  # See [Note: multi-head latent attention]
+    assert c.head_dim is not None
+    return c.head_dim
 
 
 # --- building blocks ---------------------------------------------------------------------
@@ -158,6 +200,78 @@ class Attention(nn.Module):
         # (B, heads, S, hd)
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+        )
+        return self.wo(out.transpose(1, 2).reshape(B, S, -1))
+
+
+class MLAttention(nn.Module):
+    """DeepSeek-V3's causal multi-head latent attention (MLA) with decoupled rotary keys.
+
+    [Note: multi-head latent attention] Queries and keys/values each pass through a
+    low-rank bottleneck with an RMSNorm on the latent; only a ``qk_rope_head_dim``
+    slice of each query / key head is rotated, and the rotated key is one head shared
+    by all query heads::
+
+        q               = wq_b(q_norm(wq_a(x)))        (B, S, H, nope + rope)
+        q_nope | q_pe   = split(q)                     q_pe rotated
+        latent | k_pe   = wkv_a(x)                     (B, S, kv_lora_rank | rope)
+        k_pe                                           rotated, broadcast to every head
+        k_nope | v      = wkv_b(kv_norm(latent))       (B, S, H, nope | v_head_dim)
+        out             = wo(softmax(q k^T / sqrt(nope + rope), causal) v)
+
+    with ``q = [q_nope, q_pe]`` and ``k = [k_nope, k_pe]`` per head. The module is
+    written for training: it materialises per-head ``k_nope`` and ``v`` instead of
+    absorbing ``wkv_b`` into the query (DeepSeek's inference trick). No YaRN rotary
+    scaling. Under tensor parallelism (``wq_b`` / ``wkv_b`` column-wise, ``wo``
+    row-wise) a rank holds whole heads; ``wq_a``, ``wkv_a`` and the norms stay whole.
+
+    Args:
+        c: an MLA config (``attention="mla"``).
+        norm_eps: epsilon of ``q_norm`` and ``kv_norm``.
+    """
+
+    def __init__(self, c: TransformerConfig, norm_eps: float) -> None:
+        super().__init__()
+        self.n_heads = c.n_heads
+        self.kv_lora_rank = c.kv_lora_rank
+        self.nope_dim, self.rope_dim, self.v_head_dim = (
+            c.qk_nope_head_dim,
+            c.qk_rope_head_dim,
+            c.v_head_dim,
+        )
+        qk = self.nope_dim + self.rope_dim  # a query / key head's width
+        self.softmax_scale = qk**-0.5
+        D, H = c.dim, c.n_heads
+        # Registration order is the catalogue's: see catalogue._attention.
+        self.wq_a = nn.Linear(D, c.q_lora_rank, bias=False)
+        self.q_norm = RMSNorm(c.q_lora_rank, norm_eps)
+        self.wq_b = nn.Linear(c.q_lora_rank, H * qk, bias=False)
+        self.wkv_a = nn.Linear(D, c.kv_lora_rank + self.rope_dim, bias=False)
+        self.kv_norm = RMSNorm(c.kv_lora_rank, norm_eps)
+        self.wkv_b = nn.Linear(c.kv_lora_rank, H * (self.nope_dim + self.v_head_dim), bias=False)
+        self.wo = nn.Linear(H * self.v_head_dim, D, bias=False)
+
+    def forward(self, x: Tensor, rope: Tensor) -> Tensor:
+        """``x`` (B, S, D), ``rope`` (>= S, qk_rope_head_dim / 2) complex; returns (B, S, D)."""
+        B, S, _ = x.shape
+        nope, rd, vd = self.nope_dim, self.rope_dim, self.v_head_dim
+        # -1 heads: under tensor parallelism (wq_b/wkv_b column-wise) a rank holds its heads
+        q = self.wq_b(self.q_norm(self.wq_a(x))).view(B, S, -1, nope + rd)
+        q_nope, q_pe = torch.split(q, [nope, rd], dim=-1)  # (B, S, H, nope), (B, S, H, rd)
+        latent, k_pe = torch.split(self.wkv_a(x), [self.kv_lora_rank, rd], dim=-1)
+        kv = self.wkv_b(self.kv_norm(latent)).view(B, S, -1, nope + vd)
+        k_nope, v = torch.split(kv, [nope, vd], dim=-1)  # (B, S, H, nope), (B, S, H, vd)
+        q_pe = apply_rotary(q_pe, rope)
+        k_pe = apply_rotary(k_pe.unsqueeze(2), rope)  # (B, S, 1, rd): one key for all heads
+        q = torch.cat([q_nope, q_pe], dim=-1)  # (B, S, H, nope + rd)
+        k = torch.cat([k_nope, k_pe.expand(-1, -1, k_nope.shape[2], -1)], dim=-1)
+        # (B, H, S, vd)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            is_causal=True,
+            scale=self.softmax_scale,
         )
         return self.wo(out.transpose(1, 2).reshape(B, S, -1))
 
@@ -321,7 +435,9 @@ class TransformerBlock(nn.Module):
         super().__init__()
         self.layer_id = layer_id
         self.attention_norm = RMSNorm(c.dim, norm_eps)
-        self.attention = Attention(c, norm_eps)
+        self.attention = (
+            MLAttention(c, norm_eps) if c.attention == "mla" else Attention(c, norm_eps)
+        )
         self.ffn_norm = RMSNorm(c.dim, norm_eps)
         self.is_moe = c.is_moe_layer(layer_id)
         if self.is_moe:
@@ -351,8 +467,8 @@ class Transformer(nn.Module):
 
     Raises:
         ValueError: an inconsistent config or a bad argument.
-        NotImplementedError: a catalogue feature these modules do not build (MLA,
-            attention sinks, GPT-OSS fused experts).
+        NotImplementedError: a catalogue feature these modules do not build (attention
+            sinks, GPT-OSS fused experts, expert biases).
     """
 
     def __init__(
@@ -380,9 +496,11 @@ class Transformer(nn.Module):
             self.output = nn.Linear(c.dim, c.vocab_size, bias=False)
             if c.tie_embeddings:
                 self.output.weight = self.tok_embeddings.weight
-            assert c.head_dim is not None
-            # Derived, not state: recomputed by init_weights, never saved.
-            rope = torch.empty(max_seq_len, c.head_dim // 2, dtype=torch.complex64)  # (S, hd/2)
+            # Derived, not state: recomputed by init_weights, never saved. Its head dim is
+            # the rotated width: head_dim (GQA) or qk_rope_head_dim (MLA).
+            rope = torch.empty(
+                max_seq_len, _rope_dim(c) // 2, dtype=torch.complex64, device="meta"
+            )  # (S, rope_dim/2)
             self.register_buffer("rope", rope, persistent=False)
         if device.type != "meta":
             self.to_empty(device=device)
@@ -423,12 +541,11 @@ class Transformer(nn.Module):
             seed: the init seed. Default 0.
         """
         c = self.config
-        assert c.head_dim is not None
         if c.tie_embeddings and self.output.weight is not self.tok_embeddings.weight:
             # nn.Module.to_empty() replaces each module's parameter separately, which unties
             # a plain (unsharded) model; tie again.
             self.output.weight = self.tok_embeddings.weight
-        self.rope.copy_(rotary_table(self.max_seq_len, c.head_dim, self.rope_theta))
+        self.rope.copy_(rotary_table(self.max_seq_len, _rope_dim(c), self.rope_theta))
         for fqn, param in self.named_parameters():
             _write_full(param, _init_value(fqn, tuple(param.shape), c, seed))
 

@@ -198,8 +198,8 @@ def test_errors():
     with pytest.raises(ValueError, match=r"max_seq_len must be >= 1, got 0"):
         Transformer(get_config("llama-tiny"), max_seq_len=0)
     with torch.device("meta"):
-        with pytest.raises(NotImplementedError, match=r"'deepseek-v3' has attention='mla'"):
-            Transformer(get_config("deepseek-v3"))
+        with pytest.raises(NotImplementedError, match=r"'gpt-oss-120b' has attn_sinks=True"):
+            Transformer(get_config("gpt-oss-120b"))
 
 
 def test_rotary_scores_depend_on_relative_position_only():
