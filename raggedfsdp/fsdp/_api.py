@@ -20,7 +20,6 @@ from raggedfsdp.fsdp._policy import BlockPolicy, BlockRows, MixedPrecisionPolicy
 from raggedfsdp.fsdp._state import FSDPState, resolve_reshard_after_forward, state_of
 from raggedfsdp.planner import (
     DEFAULT_ALIGNMENT_BYTES,
-    DEFAULT_ALPHA_BYTES,
     DEFAULT_MAX_BUFFERS,
     plan_buffers,
 )
@@ -46,7 +45,7 @@ def fully_shard(
     block_policy: BlockPolicy | Callable[[str, nn.Parameter], BlockRows] | None = None,
     alignment_bytes: int = DEFAULT_ALIGNMENT_BYTES,
     max_buffers: int = DEFAULT_MAX_BUFFERS,
-    buffer_alpha_bytes: int = DEFAULT_ALPHA_BYTES,
+    buffer_alpha_bytes: int | None = None,
 ):
     """Shard ``module``'s parameters (those not already sharded by a nested call).
 
@@ -82,10 +81,11 @@ def fully_shard(
         alignment_bytes: alignment of every shard start. Default 128 (see the planner).
         max_buffers: the most buffers the group's parameters may be split over, each with
             its own all-gather and reduce-scatter; the planner splits only where that
-            saves more padding bytes than one more collective costs (1 MiB), see [Note:
+            saves more padding bytes than one more collective costs, see [Note:
             multi-buffer groups] in ``raggedfsdp/planner/_multi.py``. Default 4.
         buffer_alpha_bytes: that cost of one more buffer, in bytes (negative: split
-            wherever the padding grows by less than its magnitude). Default 1 MiB.
+            wherever the padding grows by less than its magnitude). Default (None): 128 KiB
+            per rank of the shard group.
 
     Returns:
         ``module`` (or the list), now ``FSDPModule``s.
@@ -101,9 +101,12 @@ def fully_shard(
             f"fully_shard: max_buffers must be an int >= 1, got {max_buffers!r}; pass 1 to keep "
             "each group in one buffer"
         )
-    if isinstance(buffer_alpha_bytes, bool) or not isinstance(buffer_alpha_bytes, int):
+    if buffer_alpha_bytes is not None and (
+        isinstance(buffer_alpha_bytes, bool) or not isinstance(buffer_alpha_bytes, int)
+    ):
         raise ValueError(
-            f"fully_shard: buffer_alpha_bytes must be an int (bytes), got {buffer_alpha_bytes!r}"
+            "fully_shard: buffer_alpha_bytes must be an int (bytes) or None, got "
+            f"{buffer_alpha_bytes!r}"
         )
     modules = list(module) if isinstance(module, (list, tuple)) else [module]
     if not modules or not all(isinstance(m, nn.Module) for m in modules):

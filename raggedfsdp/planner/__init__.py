@@ -62,7 +62,7 @@ whole even when ``out`` is not a multiple of 128). Gaps are opt-in
 from raggedfsdp.planner._exact import plan_exact
 from raggedfsdp.planner._layout import BufferLayout, TensorPlacement
 from raggedfsdp.planner._multi import (
-    DEFAULT_ALPHA_BYTES,
+    DEFAULT_ALPHA_BYTES_PER_RANK,
     DEFAULT_MAX_BUFFERS,
     MultiPlan,
     plan_buffers,
@@ -79,7 +79,7 @@ from raggedfsdp.planner._spec import WHOLE, TensorSpec, with_block_rows
 
 __all__ = [
     "DEFAULT_ALIGNMENT_BYTES",
-    "DEFAULT_ALPHA_BYTES",
+    "DEFAULT_ALPHA_BYTES_PER_RANK",
     "DEFAULT_MAX_BUFFERS",
     "MultiPlan",
     "WHOLE",

@@ -151,7 +151,7 @@ def _parser() -> argparse.ArgumentParser:
         help="the most buffers a group may be split over, as fully_shard(max_buffers=) "
         f"(default {DEFAULT_MAX_BUFFERS}, fully_shard's; 1 with --exact, which solves one "
         "buffer per group; 1: one buffer per group); a split is kept only where it saves "
-        "more padding bytes than one more collective costs (1 MiB)",
+        "more padding bytes than one more collective costs (128 KiB per rank)",
     )
     p.add_argument("--exact", action="store_true", help="solve each distinct group with HiGHS")
     p.add_argument("--time-limit", type=float, default=60.0, help="--exact seconds per group")

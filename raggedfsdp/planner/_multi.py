@@ -20,10 +20,12 @@ their first tensor.
 
 Cost, in bytes on the wire: a buffer's padding is gathered and reduced like its data,
 so each padding element costs its bytes on every step's collectives; one more buffer
-costs one more collective's latency, counted as ``alpha_bytes`` (default 1 MiB: about
-20 us at 50 GB/s). A split is kept only when it saves more padding bytes than the
-collectives it adds cost, so small groups, whose padding is a few kilobytes, stay in
-one buffer.
+costs one more collective's latency, counted as ``alpha_bytes``. A ring collective's
+latency grows with its ranks, about 5 us per rank, and a rank moves about 25 GB/s, so
+the default counts 128 KiB per rank of the buffer (``DEFAULT_ALPHA_BYTES_PER_RANK``:
+0.5 MiB over 4 ranks, 128 MiB over 1024). A split is kept only when it saves more
+padding bytes than the collectives it adds cost, so small groups, whose padding is a
+few kilobytes, stay in one buffer, and so do large ones whose padding is a small share.
 
 Lower bounds. Each buffer's layout carries its proven lower bound on ``S`` (see
 ``lower_bound_shard_size``); their sum bounds the padding of the chosen split. Over the
@@ -41,9 +43,9 @@ from raggedfsdp.planner._layout import BufferLayout
 from raggedfsdp.planner._plan import DEFAULT_ALIGNMENT_BYTES, plan_buffer
 from raggedfsdp.planner._spec import TensorSpec, dtype_name_and_itemsize
 
-__all__ = ["DEFAULT_ALPHA_BYTES", "DEFAULT_MAX_BUFFERS", "MultiPlan", "plan_buffers"]
+__all__ = ["DEFAULT_ALPHA_BYTES_PER_RANK", "DEFAULT_MAX_BUFFERS", "MultiPlan", "plan_buffers"]
 
-DEFAULT_ALPHA_BYTES = 1 << 20
+DEFAULT_ALPHA_BYTES_PER_RANK = 128 << 10
 DEFAULT_MAX_BUFFERS = 4  # fully_shard's default; plan_buffers' own default is 1
 
 
@@ -94,7 +96,7 @@ def plan_buffers(
     world_size: int,
     *,
     max_buffers: int = 1,
-    alpha_bytes: int = DEFAULT_ALPHA_BYTES,
+    alpha_bytes: int | None = None,
     dtype: Any = "bfloat16",
     alignment_bytes: int = DEFAULT_ALIGNMENT_BYTES,
     member_gaps: bool = False,
@@ -105,10 +107,10 @@ def plan_buffers(
         tensors: the group's tensors, in module order.
         world_size: ranks sharing each buffer.
         max_buffers: the most buffers the group may use (>= 1). Default 1.
-        alpha_bytes: the cost of one more buffer's collectives, in bytes. Default 1 MiB.
-            A negative cost favours splitting (a split is then taken as long as it
-            saves more than ``alpha_bytes`` of padding, or costs less than
-            ``-alpha_bytes``): how tests and experiments force several buffers.
+        alpha_bytes: the cost of one more buffer's collectives, in bytes. Default (None):
+            ``DEFAULT_ALPHA_BYTES_PER_RANK * world_size``. A negative cost favours
+            splitting (a split is then taken as long as it costs less than
+            ``-alpha_bytes`` of padding): how tests and experiments force several buffers.
         dtype, alignment_bytes, member_gaps: as for ``plan_buffer``.
 
     Returns:
@@ -119,8 +121,10 @@ def plan_buffers(
     """
     if isinstance(max_buffers, bool) or not isinstance(max_buffers, int) or max_buffers < 1:
         raise ValueError(f"planner: max_buffers must be an int >= 1, got {max_buffers!r}")
+    if alpha_bytes is None:
+        alpha_bytes = DEFAULT_ALPHA_BYTES_PER_RANK * world_size
     if isinstance(alpha_bytes, bool) or not isinstance(alpha_bytes, int):
-        raise ValueError(f"planner: alpha_bytes must be an int, got {alpha_bytes!r}")
+        raise ValueError(f"planner: alpha_bytes must be an int or None, got {alpha_bytes!r}")
     specs = tuple(tensors)
     kw = dict(dtype=dtype, alignment_bytes=alignment_bytes, member_gaps=member_gaps)
     itemsize = dtype_name_and_itemsize(dtype)[1]

@@ -162,7 +162,7 @@ def _check_errors(world):
     model = Transformer(get_config("llama-tiny"), max_seq_len=SEQ, seed=0)
     for bad, match in [
         (dict(max_buffers=0), r"max_buffers must be an int >= 1, got 0; pass 1"),
-        (dict(buffer_alpha_bytes=1.5), r"buffer_alpha_bytes must be an int \(bytes\), got 1.5"),
+        (dict(buffer_alpha_bytes=1.5), r"buffer_alpha_bytes must be an int \(bytes\) or None, got 1.5"),
     ]:
         with pytest.raises(ValueError, match=match):
             raggedfsdp.fully_shard(model, mesh=mesh, **bad)

@@ -68,7 +68,7 @@ def test_a_mixed_group_splits_by_block_size():
     assert len(one.layouts) == 1 and one.padding > 0
     assert [[t.name for t in layout.tensors] for layout in two.layouts] == [["a"], ["b"]]
     assert two.padding == 0 == two.lower_bound_padding
-    # the default cost (1 MiB per buffer) keeps a few bytes of padding in one buffer
+    # the default cost (128 KiB per rank per buffer) keeps a few bytes of padding in one
     assert len(plan_buffers(specs, 64, max_buffers=2, **kw).layouts) == 1
 
 
@@ -77,5 +77,5 @@ def test_errors():
     for bad in (0, -1, True, 1.5):
         with pytest.raises(ValueError, match=r"max_buffers must be an int >= 1"):
             plan_buffers(specs, 2, max_buffers=bad)
-    with pytest.raises(ValueError, match=r"alpha_bytes must be an int, got 0.5"):
+    with pytest.raises(ValueError, match=r"alpha_bytes must be an int or None, got 0.5"):
         plan_buffers(specs, 2, alpha_bytes=0.5)
