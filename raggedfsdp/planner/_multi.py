@@ -10,13 +10,14 @@ its own lifts that: each buffer is planned alone (``plan_buffer``) and gets its 
 all-gather and reduce-scatter, issued back to back and waited together, each still in
 place (no copy).
 
-The split is searched, not written per model: the tensors are ordered by block size
-(their ``block_elems``; a stack counts as apart from the plain tensors when the block
-sizes tie), and every cut of that order into two contiguous classes is planned; the
-best cut is kept, and the part that pads most is cut again while buffers are left
-(``max_buffers``). Each buffer is planned from its tensors in module order (the
-planner then places them as ``plan_buffer`` does); the buffers come in the order of
-their first tensor.
+The split is searched, not written per model, over the group's block-size classes
+(tensors of equal ``block_elems``; a stack apart from plain tensors when they tie):
+first every cut of the classes, in block-size order, into two contiguous runs; then,
+from the cheapest, single classes move to another buffer (or a new one, while fewer
+than ``max_buffers`` are used) as long as the best move lowers the cost. So a split need
+not follow the order: DeepSeek-V3's layers at 1024 ranks pad least with ``wo``,
+``wq_b`` and the experts' ``w2`` in one buffer and the rest in the other. A group whose
+whole padding costs less than one more buffer is not searched at all.
 
 Cost, in bytes on the wire: a buffer's padding is gathered and reduced like its data,
 so each padding element costs its bytes on every step's collectives; one more buffer
@@ -29,8 +30,9 @@ few kilobytes, stay in one buffer, and so do large ones whose padding is a small
 
 Lower bounds. Each buffer's layout carries its proven lower bound on ``S`` (see
 ``lower_bound_shard_size``); their sum bounds the padding of the chosen split. Over the
-choice of split, the bound reported is the least such sum among the splits searched
-(a bound for this family of splits, not for every partition of the tensors).
+choice of split, the bound reported is the least such sum among the splits the search
+evaluated, some of them rejected for their cost (a bound for those splits, not for
+every partition of the tensors).
 """
 
 from __future__ import annotations
@@ -130,43 +132,72 @@ def plan_buffers(
     itemsize = dtype_name_and_itemsize(dtype)[1]
     single = plan_buffer(specs, world_size, **kw)
 
-    def plan(part: Sequence[TensorSpec]) -> BufferLayout:
-        return plan_buffer(part, world_size, **kw)
+    if max_buffers == 1 or len(specs) == 1:
+        return MultiPlan((single,), single, single.lower_bound_padding, single.lower_bound_padding)
+    keys = sorted({_key(s) for s in specs})  # the block-size classes, in order
+    if len(keys) == 1 or single.padding * itemsize <= alpha_bytes:  # no split can pay
+        return MultiPlan((single,), single, single.lower_bound_padding, single.lower_bound_padding)
+    evaluated: dict[tuple[int, ...], tuple[int, tuple[BufferLayout, ...]]] = {}
+    planned: dict[tuple[int, ...], BufferLayout] = {}  # a part (its tensors' indices) -> plan
+    class_of = [keys.index(_key(s)) for s in specs]
 
-    def cost(layouts: Sequence[BufferLayout]) -> int:
-        return sum(x.padding for x in layouts) * itemsize + alpha_bytes * (len(layouts) - 1)
+    def evaluate(assign: tuple[int, ...]) -> int:
+        """The cost of putting class ``c`` in buffer ``assign[c]`` (buffers numbered by
+        first class, so each split has one name)."""
+        if assign not in evaluated:
+            layouts = []
+            for b in range(max(assign) + 1):
+                part = tuple(i for i, c in enumerate(class_of) if assign[c] == b)
+                if part not in planned:
+                    planned[part] = plan_buffer([specs[i] for i in part], world_size, **kw)
+                layouts.append(planned[part])
+            c = sum(x.padding for x in layouts) * itemsize + alpha_bytes * (len(layouts) - 1)
+            evaluated[assign] = (c, tuple(layouts))
+        return evaluated[assign][0]
 
-    parts: list[tuple[TensorSpec, ...]] = [specs]
-    layouts: list[BufferLayout] = [single]
-    searched = _lb_padding(layouts)
-    while len(parts) < max_buffers:
-        best = None  # (cost, index of the part cut, the two halves, their layouts)
-        for k, part in enumerate(parts):
-            for halves in _cuts(part):
-                pair = [plan(h) for h in halves]
-                trial = [*layouts[:k], *pair, *layouts[k + 1 :]]
-                searched = min(searched, _lb_padding(trial))
-                c = cost(trial)
-                if best is None or c < best[0]:
-                    best = (c, k, halves, pair)
-        if best is None or best[0] >= cost(layouts):
+    # 1. every cut of the class order into one or two contiguous runs
+    best = tuple([0] * len(keys))
+    for cuts in _compositions(len(keys), 2):
+        assign = tuple(b for b, n in enumerate(cuts) for _ in range(n))
+        if evaluate(assign) < evaluate(best):
+            best = assign
+    # 2. then move single classes to another buffer, or to a new one while fewer than
+    # max_buffers are used, taking the best move while it lowers the cost
+    for _ in range(2 * len(keys)):
+        moves = [
+            _canonical(best[:i] + (b,) + best[i + 1 :])
+            for i in range(len(keys))
+            for b in range(min(max(best) + 2, max_buffers))
+            if b != best[i]
+        ]
+        improved = min(moves, key=evaluate, default=best)
+        if evaluate(improved) >= evaluate(best):
             break
-        _, k, halves, pair = best
-        parts[k : k + 1] = list(halves)
-        layouts[k : k + 1] = pair
-    order = {s.name: i for i, s in enumerate(specs)}
-    chosen = sorted(zip(parts, layouts), key=lambda pl: order[pl[0][0].name])
-    final = tuple(layout for _, layout in chosen)
+        best = improved
+    final = evaluated[best][1]
+    searched = min(_lb_padding(layouts) for _, layouts in evaluated.values())
     return MultiPlan(final, single, _lb_padding(final), min(searched, _lb_padding(final)))
 
 
-def _cuts(part: Sequence[TensorSpec]) -> list[tuple[tuple[TensorSpec, ...], ...]]:
-    """Every cut of ``part`` into two non-empty classes along its block-size order (ties:
-    plain tensors before stacks); each half keeps module order."""
-    keys = sorted({(s.block_elems, s.stack) for s in part})
-    out = []
-    for threshold in keys[:-1]:
-        low = tuple(s for s in part if (s.block_elems, s.stack) <= threshold)
-        high = tuple(s for s in part if (s.block_elems, s.stack) > threshold)
-        out.append((low, high))
-    return out
+def _key(s: TensorSpec) -> tuple[int, bool]:
+    """A tensor's block-size class (ties: plain tensors before stacks)."""
+    return (s.block_elems, s.stack)
+
+
+def _canonical(assign: tuple[int, ...]) -> tuple[int, ...]:
+    """``assign`` with its buffers renumbered in order of first use (one name per split)."""
+    names: dict[int, int] = {}
+    return tuple(names.setdefault(b, len(names)) for b in assign)
+
+
+def _compositions(n: int, parts: int):
+    """Every way to cut ``n`` ordered classes into 1..``parts`` non-empty runs (run lengths)."""
+    if n == 0:
+        yield ()
+        return
+    for first in range(1, n + 1):
+        if first == n:
+            yield (n,)
+        elif parts > 1:
+            for rest in _compositions(n - first, parts - 1):
+                yield (first, *rest)
