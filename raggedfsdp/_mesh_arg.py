@@ -1,14 +1,23 @@
 """``--mesh name=size,...``: the pair syntax that ``plan`` and ``train`` share.
 
 Each command decides which dims it takes and what their sizes must satisfy; this
-module only reads the pairs, with the errors both give.
+module reads the pairs, with the errors all give, and the HSDP mesh (``replicate`` and
+``shard``) that ``plan`` and ``simulate`` take.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-__all__ = ["parse_mesh_pairs"]
+__all__ = ["HSDP_DIMS", "NOT_YET_DIMS", "parse_hsdp_mesh", "parse_mesh_pairs"]
+
+HSDP_DIMS = ("replicate", "shard")
+NOT_YET_DIMS = {  # dims of parallelisms an HSDP-only command does not take
+    "tp": "tensor parallel",
+    "ep": "expert parallel",
+    "cp": "context parallel",
+    "pp": "pipeline parallel",
+}
 
 
 def parse_mesh_pairs(
@@ -53,3 +62,23 @@ def parse_mesh_pairs(
             )
         sizes[name] = int(size)
     return sizes
+
+
+def parse_hsdp_mesh(text: str, example: str, takes: str, if_missing: str) -> tuple[int, int]:
+    """``--mesh replicate=R,shard=S`` (both dims, any order) as ``(R, S)``.
+
+    Args:
+        text, example, takes: as for ``parse_mesh_pairs``.
+        if_missing: what the message for a missing dim adds after the example.
+
+    Raises:
+        ValueError: what ``parse_mesh_pairs`` raises, or a missing dim.
+        NotImplementedError: a dim in ``NOT_YET_DIMS``.
+    """
+    sizes = parse_mesh_pairs(text, HSDP_DIMS, NOT_YET_DIMS, example, takes)
+    missing = [name for name in HSDP_DIMS if name not in sizes]
+    if missing:
+        raise ValueError(
+            f"--mesh {text!r}: the {missing[0]!r} dim is missing; give both, {example} {if_missing}"
+        )
+    return sizes["replicate"], sizes["shard"]

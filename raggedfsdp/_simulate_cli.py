@@ -129,13 +129,6 @@ def plot_timeline(results: list[dict[str, Any]], path: str) -> None:
     plt.close(fig)
 
 
-MESH_DIMS = ("replicate", "shard")
-_FUTURE_DIMS = {
-    "tp": "tensor parallel",
-    "ep": "expert parallel",
-    "cp": "context parallel",
-    "pp": "pipeline parallel",
-}
 _MESH_EXAMPLE = "e.g. --mesh replicate=4,shard=64"
 
 
@@ -143,26 +136,18 @@ def parse_mesh(text: str, world: int | None) -> tuple[int, int]:
     """``--mesh replicate=R,shard=S`` (checked against ``--world`` if given) as ``(R, S)``.
 
     Raises:
-        ValueError: what ``raggedfsdp._mesh_arg.parse_mesh_pairs`` raises, a missing dim,
-            or a ``world`` other than ``R * S``.
+        ValueError: what ``raggedfsdp._mesh_arg.parse_hsdp_mesh`` raises, or a ``world``
+            other than ``R * S``.
         NotImplementedError: a dim of a parallelism ``simulate`` does not run (tp, ep, ...).
     """
-    from raggedfsdp._mesh_arg import parse_mesh_pairs
+    from raggedfsdp._mesh_arg import parse_hsdp_mesh
 
-    sizes = parse_mesh_pairs(
+    r, s = parse_hsdp_mesh(
         text,
-        MESH_DIMS,
-        _FUTURE_DIMS,
         _MESH_EXAMPLE,
         "simulate takes HSDP meshes: replicate=R,shard=S",
+        "(or leave --mesh out and pass --world for a 1-D mesh)",
     )
-    missing = [name for name in MESH_DIMS if name not in sizes]
-    if missing:
-        raise ValueError(
-            f"--mesh {text!r}: the {missing[0]!r} dim is missing; give both, {_MESH_EXAMPLE} "
-            "(or leave --mesh out and pass --world for a 1-D mesh)"
-        )
-    r, s = sizes["replicate"], sizes["shard"]
     if world is not None and world != r * s:
         raise ValueError(
             f"--world {world} and --mesh {text} ({r} x {s} = {r * s} ranks) disagree; drop "

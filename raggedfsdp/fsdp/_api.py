@@ -154,7 +154,8 @@ def fully_shard(
             mp_policy,
             block_policy,
             alignment_bytes,
-            (max_buffers, buffer_alpha_bytes),
+            max_buffers,
+            buffer_alpha_bytes,
             name=name,
             offload=isinstance(offload_policy, CPUOffloadPolicy),
             pin_memory=getattr(offload_policy, "pin_memory", True),
@@ -266,31 +267,29 @@ def _sharded_by(p) -> tuple[str, str] | None:
     return None if found is None else (found[0]._group.name, found[1].fqn)
 
 
-def _new_group(refs, originals, mesh, mp_policy, block_policy, alignment_bytes, buffers, **kw):
+def _new_group(
+    refs, originals, mesh, mp_policy, block_policy, alignment_bytes, max_buffers, alpha, **kw
+):
     """The group of one ``fully_shard`` call: one ``ParamGroup``, or a ``GroupSet`` of one
     per buffer where the planner splits it (see [Note: multi-buffer groups])."""
     specs, dtype = group_specs(refs, originals, mesh, block_policy)
     plan = plan_buffers(
         specs,
         mesh.size(mesh.ndim - 1),
-        max_buffers=buffers[0],
-        alpha_bytes=buffers[1],
+        max_buffers=max_buffers,
+        alpha_bytes=alpha,
         dtype=dtype,
         alignment_bytes=alignment_bytes,
     )
-    args = (mesh, mp_policy, block_policy, alignment_bytes)
     if len(plan.layouts) == 1:
-        return ParamGroup(refs, originals, *args, layout=plan.layouts[0], **kw)
+        return ParamGroup(refs, originals, mesh, mp_policy, plan.layouts[0], **kw)
     index = {ref.fqn: i for i, ref in enumerate(refs)}
     groups = []
     for k, layout in enumerate(plan.layouts):
         mine = sorted(index[t.name] for t in layout.tensors)  # module order
         sub = {**kw, "name": f"{kw['name']}[buffer {k}]"}
-        groups.append(
-            ParamGroup(
-                [refs[i] for i in mine], [originals[i] for i in mine], *args, layout=layout, **sub
-            )
-        )
+        parts = ([refs[i] for i in mine], [originals[i] for i in mine])
+        groups.append(ParamGroup(*parts, mesh, mp_policy, layout, **sub))
     return GroupSet(groups, kw["name"])
 
 

@@ -1,4 +1,5 @@
-"""ParamGroup: the parameters of one ``fully_shard`` call, one DBuffer, one collective each way."""
+"""ParamGroup: the parameters of one buffer (of a ``fully_shard`` call), one DBuffer, one
+collective each way."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from raggedfsdp.fsdp._policy import MixedPrecisionPolicy, resolve_block_rows
 from raggedfsdp.fsdp._state import PostForwardGroup
 from raggedfsdp.fsdp._tp import TPSpec, tp_spec_of
 from raggedfsdp.placement import RaggedShard
-from raggedfsdp.planner import BufferLayout, TensorSpec, plan_buffer
+from raggedfsdp.planner import BufferLayout, TensorSpec
 
 __all__ = [
     "ParamGroup",
@@ -142,16 +143,14 @@ class ParamGroup:
     ``finalize_grads``. Streams: see [Note: streams] in ``_device.py``.
 
     Args:
-        refs: the group's parameters (module order).
+        refs: the group's parameters (module order), their ``tp`` set by ``group_specs``.
         originals: the parameters as the module held them (same order).
         mesh: a 1-D DeviceMesh, or 2-D (replicate, shard) for HSDP.
         mp_policy: mixed precision.
-        block_policy: rows per block, see ``BlockPolicy``.
-        alignment_bytes: planner alignment.
+        layout: the buffer's layout, planned by the caller (``plan_buffers``): of all the
+            call's parameters, or of one buffer's of a ``GroupSet``.
         name: how messages name the group (the module's class).
         offload: CPU offload (torch's ``CPUOffloadPolicy``): see [Note: CPU offload].
-        layout: the buffer's layout, planned beforehand (a buffer of a multi-buffer
-            group, see ``GroupSet``); None: planned here.
         pin_memory: pin the offloaded shard storages (with an accelerator).
 
     [Note: CPU offload]
@@ -169,12 +168,10 @@ class ParamGroup:
         originals,
         mesh,
         mp_policy: MixedPrecisionPolicy,
-        block_policy,
-        alignment_bytes,
+        layout: BufferLayout,
         name: str = "",
         offload: bool = False,
         pin_memory: bool = True,
-        layout: BufferLayout | None = None,
     ):
         self.refs: list[ParamRef] = refs
         self.view = BufferView(self)  # the public handle (raggedfsdp.fsdp.buffers_of)
@@ -192,8 +189,9 @@ class ParamGroup:
         self.replicate_size = mesh.size(0) if mesh.ndim == 2 else 1
         self.requires_all_reduce = True  # HSDP: False skips the all-reduce (accumulation)
         self._partial_reduce: torch.Tensor | None = None  # 1D, S: reduced, not all-reduced
-        specs, self.dtype = group_specs(refs, originals, mesh, block_policy)
-        originals = _laid_out(refs, originals, mesh)
+        # What the buffer lays out: each local tensor (``ref.tp`` set by ``group_specs``).
+        originals = [p.to_local() if ref.tp is not None else p for ref, p in zip(refs, originals)]
+        self.dtype = originals[0].dtype  # one dtype: checked by group_specs
         self.device = originals[0].device  # the compute device: the global storages'
         self.offload = offload
         shard_device = None
@@ -207,11 +205,7 @@ class ParamGroup:
         self.mp_policy = mp_policy
         self.compute_dtype = mp_policy.param_dtype or self.dtype
         self.reduce_dtype = mp_policy.reduce_dtype or self.compute_dtype
-        if layout is None:
-            layout = plan_buffer(
-                specs, self.world, dtype=self.dtype, alignment_bytes=alignment_bytes
-            )
-        elif sorted(t.name for t in layout.tensors) != sorted(s.name for s in specs):
+        if sorted(t.name for t in layout.tensors) != sorted(r.fqn for r in refs):
             raise AssertionError(f"fully_shard group {self.name}: its layout holds other tensors")
         self.layout = layout
         self.dbuf = self._new_dbuf(shard_device)

@@ -40,19 +40,12 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from raggedfsdp._mesh_arg import parse_mesh_pairs
+from raggedfsdp._mesh_arg import parse_hsdp_mesh
 from raggedfsdp.planner._multi import DEFAULT_MAX_BUFFERS, plan_buffers
 from raggedfsdp.planner._peers import PeerPadding, fsdp1_padding, fsdp2_padding, zero3_padding
 from raggedfsdp.planner._plan import DEFAULT_ALIGNMENT_BYTES, clear_plan_cache
 from raggedfsdp.planner._spec import WHOLE, TensorSpec, dtype_name_and_itemsize, with_block_rows
 
-MESH_DIMS = ("replicate", "shard")
-_FUTURE_DIMS = {
-    "tp": "tensor parallel",
-    "ep": "expert parallel",
-    "cp": "context parallel",
-    "pp": "pipeline parallel",
-}
 _MESH_EXAMPLE = "e.g. --mesh replicate=2,shard=4"
 # Bytes per rank per step, per kind and in total; see [Note: HSDP in the plan].
 BYTES = ("shard_bytes", "all_gather_bytes", "reduce_scatter_bytes", "hsdp_all_reduce_bytes")
@@ -71,20 +64,12 @@ def parse_mesh(text: str) -> tuple[int, int]:
         NotImplementedError: a dim of a parallelism that is not supported yet (``tp``,
             ``ep``, ``cp``, ``pp``).
     """
-    sizes = parse_mesh_pairs(
+    return parse_hsdp_mesh(
         text,
-        MESH_DIMS,
-        _FUTURE_DIMS,
         _MESH_EXAMPLE,
         "only HSDP meshes are: pass replicate=R,shard=S",
+        "(replicate=1 is plain FSDP)",
     )
-    missing = [name for name in MESH_DIMS if name not in sizes]
-    if missing:
-        raise ValueError(
-            f"--mesh {text!r}: the {missing[0]!r} dim is missing; give both, "
-            f"{_MESH_EXAMPLE} (replicate=1 is plain FSDP)"
-        )
-    return sizes["replicate"], sizes["shard"]
 
 
 def _block_rows(text: str) -> int | str:
