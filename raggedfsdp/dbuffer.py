@@ -16,8 +16,11 @@ global buffer of ``m * S`` elements, rank k owning ``[k * S, (k + 1) * S)``::
 - ``all_gather``: the shard storage (or one cast of it under mixed precision) is
   the all-gather input and the global storage its output: no copy-in, no copy-out.
 - gradients go the other way: unsharded ``.grad``s are views of one flat global
-  gradient buffer, reduce-scattered in one collective into the shard gradient
-  storage, whose views are the sharded ``.grad``s.
+  buffer, reduce-scattered in one collective into the shard gradient storage, whose
+  views are the sharded ``.grad``s. That flat buffer is the global parameter storage
+  itself (each gradient written over its parameter once autograd is done with it, see
+  [Note: gradients in place] in ``fsdp/_param_group.py``), or a global gradient
+  storage of its own.
 """
 
 from __future__ import annotations
@@ -37,11 +40,16 @@ class FlatStorage:
     """A 1-D tensor whose storage is allocated and freed as a whole.
 
     Views taken of ``tensor`` stay valid across ``free`` / ``alloc``: they share the
-    storage object, whose size alone changes.
+    storage object, whose size alone changes. ``alias`` is a second tensor over the same
+    storage with a version counter of its own: writes through it (and its views) do not
+    bump the version that autograd checks on the views of ``tensor``.
     """
 
     def __init__(self, numel: int, dtype: torch.dtype, device: torch.device):
         self.tensor = torch.empty(numel, dtype=dtype, device=device)  # 1D, numel elements
+        self.alias = torch.empty(0, dtype=dtype, device=device).set_(
+            self.tensor.untyped_storage(), 0, (numel,), (1,)
+        )  # 1D, numel elements: the same storage
         self._nbytes = self.tensor.untyped_storage().nbytes()
         self.free()
 
@@ -132,9 +140,20 @@ class DBuffer:
         """The unsharded ``name``: a view of the global parameter storage."""
         return self._global_view(self.global_params.tensor, name)
 
-    def global_grad_view(self, name: str) -> torch.Tensor:
-        """The unsharded gradient of ``name``: a view of the global gradient storage."""
-        return self._global_view(self.global_grads.tensor, name)
+    def global_grad_view(self, name: str, *, in_params: bool = False) -> torch.Tensor:
+        """The unsharded gradient of ``name``: a view of the global gradient storage, or
+        with ``in_params`` of the global parameter storage (through its ``alias``)."""
+        flat = self.global_params.alias if in_params else self.global_grads.tensor
+        return self._global_view(flat, name)
+
+    def global_spans(self, name: str) -> list[tuple[int, int]]:
+        """The ``[start, stop)`` element ranges ``name`` covers in the global storages
+        (one, or one per member of a stack with member gaps)."""
+        t = self.layout[name]
+        if t.members == 1:
+            return [(t.offset, t.offset + t.numel)]
+        starts = (t.offset + j * t.member_stride for j in range(t.members))
+        return [(start, start + t.member_numel) for start in starts]
 
     # ---- collectives ----------------------------------------------------------------------
     def all_gather(self, group, *, async_op: bool) -> tuple[dist.Work | None, torch.Tensor]:

@@ -46,6 +46,7 @@ def fully_shard(
     alignment_bytes: int = DEFAULT_ALIGNMENT_BYTES,
     max_buffers: int = DEFAULT_MAX_BUFFERS,
     buffer_alpha_bytes: int | None = None,
+    grads_in_params: bool = True,
 ):
     """Shard ``module``'s parameters (those not already sharded by a nested call).
 
@@ -86,6 +87,13 @@ def fully_shard(
         buffer_alpha_bytes: that cost of one more buffer, in bytes (negative: split
             wherever the padding grows by less than its magnitude). Default (None): 128 KiB
             per rank of the shard group.
+        grads_in_params: in backward, write each parameter's gradient over its own
+            unsharded value once autograd no longer needs it, so the group holds no
+            gradient buffer beside its unsharded parameters (see [Note: gradients in
+            place] in ``_param_group.py``). Pass False for a model that reads a
+            parameter's value in backward after its gradient is complete (a
+            ``detach()``-ed use), or that uses a parameter in several reentrant
+            checkpointed regions (an error says so). Default True.
 
     Returns:
         ``module`` (or the list), now ``FSDPModule``s.
@@ -101,6 +109,8 @@ def fully_shard(
             f"fully_shard: max_buffers must be an int >= 1, got {max_buffers!r}; pass 1 to keep "
             "each group in one buffer"
         )
+    if not isinstance(grads_in_params, bool):
+        raise ValueError(f"fully_shard: grads_in_params must be a bool, got {grads_in_params!r}")
     if buffer_alpha_bytes is not None and (
         isinstance(buffer_alpha_bytes, bool) or not isinstance(buffer_alpha_bytes, int)
     ):
@@ -159,6 +169,7 @@ def fully_shard(
             name=name,
             offload=isinstance(offload_policy, CPUOffloadPolicy),
             pin_memory=getattr(offload_policy, "pin_memory", True),
+            grads_in_params=grads_in_params,
         )
     for ref, p in zip(refs, originals):
         setattr(p, _MOVED_ATTR, (name, ref.fqn))

@@ -71,6 +71,9 @@ class BufferView:
     ``shard_grad`` (S, the sharded ``.grad``s' data; 0 elements while freed),
     ``unsharded`` and ``unsharded_grad`` (m * S in the compute dtype; 0 elements
     while freed: between forward and backward when resharded, and outside backward).
+    In backward the gradients are written over the parameters in ``unsharded`` (see
+    [Note: gradients in place]); ``unsharded_grad`` is allocated only when they are not
+    (``grads_in_params=False``, accumulation without sync, no reshard after backward).
     """
 
     __slots__ = ("_group",)
@@ -140,8 +143,16 @@ class BufferView:
 
     @property
     def unsharded_grad(self) -> torch.Tensor:
-        """The global gradient storage: 1D, m * S elements (0 while freed)."""
+        """The global gradient storage: 1D, m * S elements (0 while freed, and while the
+        gradients are in ``unsharded``: see ``unsharded_holds_grads``)."""
         return self._group.dbuf.global_grads.tensor
+
+    @property
+    def unsharded_holds_grads(self) -> bool:
+        """``unsharded`` holds gradients (some written over their parameters in this
+        backward, or all of them, until the reduce-scatter is waited)."""
+        group = self._group
+        return group._grads_hold_params or any(ref.grad_in_place for ref in group.refs)
 
     @property
     def unsharded_nbytes(self) -> int:

@@ -100,9 +100,9 @@ class GroupSet:
         for g in self.groups:
             g.release_dropped_grads()
 
-    def prepare_grads(self, unsharded: bool = True) -> None:
+    def prepare_grads(self, unsharded: bool = True, reshard: bool = True) -> None:
         for g in self.groups:
-            g.prepare_grads(unsharded=unsharded)
+            g.prepare_grads(unsharded=unsharded, reshard=reshard)
 
     @property
     def needs_post_backward(self) -> bool:

@@ -4,6 +4,7 @@ collective each way."""
 from __future__ import annotations
 
 import enum
+import functools
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -82,6 +83,7 @@ class ParamRef:
     unsharded: nn.Parameter | None = None  # over a global-storage view (plain, or TP DTensor)
     sharded_grad: DTensor | None = None  # DTensor over a shard-gradient view (cached)
     got_grad: bool = False  # this rank accumulated a gradient into it this backward
+    grad_in_place: bool = False  # its gradient replaced its unsharded value this backward
     hooks: list = field(default_factory=list)
 
     def register(self, param: nn.Parameter) -> None:
@@ -152,6 +154,8 @@ class ParamGroup:
         name: how messages name the group (the module's class).
         offload: CPU offload (torch's ``CPUOffloadPolicy``): see [Note: CPU offload].
         pin_memory: pin the offloaded shard storages (with an accelerator).
+        grads_in_params: write each gradient over its unsharded parameter (see [Note:
+            gradients in place]); False: a global gradient storage of its own.
 
     [Note: CPU offload]
     The shard and shard gradient storages (the sharded parameters, their ``.grad``s,
@@ -172,6 +176,7 @@ class ParamGroup:
         name: str = "",
         offload: bool = False,
         pin_memory: bool = True,
+        grads_in_params: bool = True,
     ):
         self.refs: list[ParamRef] = refs
         self.view = BufferView(self)  # the public handle (raggedfsdp.fsdp.buffers_of)
@@ -221,6 +226,9 @@ class ParamGroup:
         self._post_forward_piece: torch.Tensor | None = None  # 1D, m*S/k (SHARDED_POST_FORWARD)
         self.post_forward_group: PostForwardGroup | None = None  # reshard_after_forward=int
         self.needs_post_backward = False
+        self.grads_in_params = grads_in_params
+        self._in_place = False  # this backward writes gradients over the parameters
+        self._grads_hold_params = False  # the global parameter storage holds gradients
         self._reduce: PendingReduce | None = None
         self.requires_gradient_sync = True
         self.gradient_divide_factor: float | None = None
@@ -306,6 +314,8 @@ class ParamGroup:
         """Start (or do) the all-gather of the global storage; ``wait_for_unshard`` ends it."""
         if self.state is ShardedState.UNSHARDED or self._gather is not None:
             return
+        if self._grads_hold_params:  # a reduce-scatter still reads the storage
+            self.wait_reduce()
         if self.device.type == "meta":
             raise RuntimeError(
                 f"fully_shard: parameters {[r.fqn for r in self.refs][:3]}... are still on the "
@@ -345,20 +355,23 @@ class ParamGroup:
                     view = ref.tp.unsharded(view, ref.requires_grad)
                 ref.unsharded = nn.Parameter(view, requires_grad=ref.requires_grad)
                 if ref.requires_grad:
-                    ref.hooks.append(ref.unsharded.register_hook(self._first_grad_hook))
+                    hook = functools.partial(self._first_grad_hook, ref)
+                    ref.hooks.append(ref.unsharded.register_hook(hook))
                     ref.hooks.append(
                         ref.unsharded.register_post_accumulate_grad_hook(_mark_got_grad(ref))
                     )
             ref.register(ref.unsharded)
         self.state = ShardedState.UNSHARDED
 
-    def reshard(self, post_forward: bool = False) -> None:
+    def reshard(self, post_forward: bool = False, free: bool = True) -> None:
         """Free the global storage; the modules hold the sharded parameters again.
 
         Args:
             post_forward: keep this rank's piece of the parameters for the smaller
                 group ``post_forward_group`` (``reshard_after_forward=int``), so that
                 backward gathers over it only. Ignored without that group.
+            free: False keeps the storage, which now holds the gradients (see [Note:
+                gradients in place]); the reduce-scatter frees it.
         """
         if self._gather is not None:
             self.wait_for_unshard()
@@ -371,7 +384,8 @@ class ParamGroup:
             full = self.dbuf.global_params.tensor  # 1D, m*S
             piece = full.numel() // keep.size
             self._post_forward_piece = full[keep.position * piece :][:piece].clone()
-        self.dbuf.global_params.free()
+        if free:
+            self.dbuf.global_params.free()
         self.streams.resharded()
         for ref in self.refs:
             ref.register(ref.sharded)
@@ -383,12 +397,13 @@ class ParamGroup:
         if self._reduce is None and all(ref.sharded.grad is None for ref in self.refs):
             self.dbuf.shard_grads.free()
 
-    def prepare_grads(self, unsharded: bool = True) -> None:
+    def prepare_grads(self, unsharded: bool = True, reshard: bool = True) -> None:
         """Get ready for the group's gradients (pre-backward); see [Note: gradient storage].
 
         Args:
             unsharded: the parameters were unsharded for backward (False after
                 ``set_unshard_in_backward(False)``: backward needs only their gradients).
+            reshard: ``post_backward`` will reshard (``reshard_after_backward``).
         """
         if unsharded:
             self._expect("prepare_grads (pre-backward)", ShardedState.UNSHARDED)
@@ -397,12 +412,89 @@ class ParamGroup:
         # reduces after its last call's backward, and may then run backward again:
         # finish that reduce and gather the rest in fresh gradient storage.
         self.wait_reduce()
+        self._in_place = (
+            self.grads_in_params
+            and unsharded
+            and reshard
+            and self.requires_gradient_sync
+            and self._accumulated is None
+            and not self.dbuf.global_grads.allocated
+        )
 
-    def _first_grad_hook(self, grad: torch.Tensor) -> torch.Tensor:
-        """Tensor hook of every unsharded parameter: runs before autograd accumulates ``grad``."""
-        if self.needs_post_backward and not self.dbuf.global_grads.allocated:
+    def _first_grad_hook(self, ref: ParamRef, grad: torch.Tensor) -> torch.Tensor:
+        """Tensor hook of every unsharded parameter: runs before autograd accumulates
+        ``grad`` (the parameter's whole gradient of this backward)."""
+        if not self.needs_post_backward:
+            return grad
+        if self._in_place:
+            self._grad_over_param(ref)
+        elif not self.dbuf.global_grads.allocated:
             self._alloc_grads()
         return grad
+
+    def _grad_over_param(self, ref: ParamRef) -> None:
+        """Point ``ref``'s unsharded ``.grad`` at its own parameter's storage, zeroed.
+
+        [Note: gradients in place]
+        A parameter's tensor hook runs when autograd has summed its whole gradient of
+        this backward: every node that reads the parameter to compute a gradient of it
+        has run. Its unsharded value is not needed again before the next all-gather, so
+        its gradient takes its place in the global parameter storage: the hook zeroes
+        the parameter's span and makes it ``.grad``, and ``AccumulateGrad`` adds the
+        gradient into it (in place, as into a gradient storage). ``post_backward`` zeroes
+        the spans that got no gradient (and the padding), reshards without freeing, and
+        reduce-scatters the parameter storage; waiting the reduce-scatter frees it. A
+        group so holds no gradient memory beside its unsharded parameters, where FSDP2
+        holds each gradient from its creation to the reduce-scatter, and then a copy of
+        them all as the reduce-scatter input.
+
+        The writes go through the storage's ``alias`` (a version counter of its own):
+        autograd still holds the group's other parameters, saved in forward and checked
+        for in-place changes when their nodes run.
+
+        When it does not apply (the group keeps a gradient storage of its own, [Note:
+        gradient storage]): ``fully_shard(..., grads_in_params=False)``; gradients
+        accumulated without sync (the parameters are gathered again for the next
+        microbatch); ``reshard_after_backward=False``; ``unshard_in_backward=False``.
+        What it asks of the model: nothing reads a parameter's value in backward after
+        its gradient is complete (a ``detach()``-ed use whose backward runs later). A
+        parameter whose gradient arrives twice in one backward (reentrant activation
+        checkpointing of a parameter used in two checkpointed regions) raises.
+        """
+        if ref.grad_in_place:
+            raise RuntimeError(
+                f"fully_shard group {self.name}: parameter {ref.fqn!r} received a second "
+                "gradient in one backward (reentrant activation checkpointing around several "
+                "uses of it?) after the first had replaced its unsharded value; pass "
+                "fully_shard(..., grads_in_params=False) for this module, or use "
+                "non-reentrant checkpointing (use_reentrant=False)"
+            )
+        ref.grad_in_place = True
+        grad = self.dbuf.global_grad_view(ref.fqn, in_params=True)
+        grad.zero_()
+        ref.unsharded.grad = grad if ref.tp is None else ref.tp.unsharded(grad, False)
+
+    def _take_param_storage(self) -> torch.Tensor:
+        """``post_backward`` under [Note: gradients in place]: zero what is not a gradient,
+        reshard keeping the storage; returns it (1D, m*S, compute dtype)."""
+        flat = self.dbuf.global_params.alias  # 1D, m*S
+        taken = sorted(
+            span
+            for ref in self.refs
+            if ref.grad_in_place
+            for span in self.dbuf.global_spans(ref.fqn)
+        )
+        at = 0
+        for start, stop in [*taken, (flat.numel(), flat.numel())]:
+            if start > at:
+                flat[at:start].zero_()  # padding, and parameters without a gradient
+            at = max(at, stop)
+        for ref in self.refs:
+            ref.grad_in_place = False
+        self._in_place = False
+        self.reshard(free=False)
+        self._grads_hold_params = True
+        return flat
 
     def _alloc_grads(self) -> None:
         """Allocate the flat global gradient storage (zeros) and point every unsharded
@@ -441,15 +533,18 @@ class ParamGroup:
                 f"(state {self.state.value})"
             )
         self.needs_post_backward = False
-        if reshard:
+        in_place = None  # the parameter storage, holding the gradients
+        if self._in_place:
+            in_place = self._take_param_storage()
+        elif reshard:
             self.reshard()
-        if not self.dbuf.global_grads.allocated:  # no gradient reached the group on this rank
-            self._alloc_grads()
+        if in_place is None and not self.dbuf.global_grads.allocated:
+            self._alloc_grads()  # no gradient reached the group on this rank
         if not self.requires_gradient_sync:  # the unsharded gradients accumulate
             if self.reduce_dtype != self.compute_dtype:
                 self._accumulate_in_reduce_dtype()
             return
-        source = None  # the global gradient storage
+        source = in_place  # None: the global gradient storage
         if self._accumulated is not None:  # earlier microbatches' gradients, reduce dtype
             self._accumulate_in_reduce_dtype()
             source, self._accumulated = self._accumulated, None
@@ -469,11 +564,12 @@ class ParamGroup:
         # The reduce-scatter writes every element (padding too) on the direct path;
         # otherwise only parameters' parts are written: start from zeros.
         self.dbuf.shard_grads.alloc(zero=not direct)
-        if source is None and self.reduce_dtype != self.compute_dtype:
+        if (source is None or source is in_place) and self.reduce_dtype != self.compute_dtype:
             # One cast of the whole buffer, on the stream that made the gradients (as
             # FSDP2's copy-in): the cast is the reduce-scatter input, so the gradients'
             # storage goes at once instead of living until the reduce-scatter is waited.
-            source = self.dbuf.global_grads.tensor.to(self.reduce_dtype)
+            grads = self.dbuf.global_grads.tensor if source is None else source
+            source = grads.to(self.reduce_dtype)
             self._free_unsharded_grads()
         op = self._reduce_op()
         with self.streams.reducing():  # see [Note: streams]
@@ -548,11 +644,11 @@ class ParamGroup:
         self._accumulated = None
         self._partial_reduce = None
         self.needs_post_backward = False
+        self._in_place = False
         for ref in self.refs:
             ref.got_grad = False
-            if ref.unsharded is not None:
-                ref.unsharded.grad = None
-        self.dbuf.global_grads.free()
+            ref.grad_in_place = False
+        self._free_unsharded_grads()
         self.reshard()
 
     def wait_reduce(self) -> None:
@@ -568,6 +664,9 @@ class ParamGroup:
             if ref.unsharded is not None:
                 ref.unsharded.grad = None
         self.dbuf.global_grads.free()
+        if self._grads_hold_params:  # see [Note: gradients in place]
+            self._grads_hold_params = False
+            self.dbuf.global_params.free()
 
     def local_grad_flags(self) -> list[bool]:
         return [ref.got_grad for ref in self.refs]

@@ -6,8 +6,8 @@ global storage), then start the next group's all-gather (prefetch, in the order
 recorded on the first step). Forward post-hook: reshard (free the global storage)
 per ``reshard_after_forward`` (by default, all but the root). Backward: a hook on
 the module's outputs unshards again and prefetches the previous group (as FSDP2:
-at most two blocks unsharded at once); the group's flat gradient storage is
-allocated when its first gradient arrives (see [Note: gradient storage]); an
+at most two blocks unsharded at once); each gradient is written over its own
+unsharded parameter (see [Note: gradients in place]); an
 autograd function on the module's inputs fires once its backward is done and
 starts the group's reduce-scatter (asynchronous). The root queues a final callback that reduces any
 group whose inputs needed no gradient (embeddings, the root itself), waits for
@@ -297,7 +297,9 @@ class FSDPState:
                 if self.unshard_in_backward:
                     self.group.unshard()
                     self.group.wait_for_unshard()
-                self.group.prepare_grads(unsharded=self.unshard_in_backward)
+                self.group.prepare_grads(
+                    unsharded=self.unshard_in_backward, reshard=self.reshard_after_backward
+                )
             for prev in self._prefetch_targets(forward=False):
                 prev.group.unshard(async_op=True)
         return grad

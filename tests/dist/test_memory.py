@@ -1,12 +1,16 @@
 """Memory, structurally: when gradient storage is allocated, and how many groups are unsharded.
 
 Peaks in bytes depend on the model and the allocator; these checks hold whatever the
-sizes. See [Note: gradient storage] in ``fsdp/_param_group.py``:
+sizes. See [Note: gradients in place] and [Note: gradient storage] in
+``fsdp/_param_group.py``:
 
-- a group's flat gradient storage is allocated when its first gradient arrives, not at
-  its pre-backward: the embedding's group (torchtitan's grouping) holds no gradient
-  memory until ``embedding_dense_backward`` has produced one;
-- every gradient storage is freed by the end of the step;
+- by default no group allocates gradient storage: each gradient is written over its
+  unsharded parameter; with ``grads_in_params=False`` a group's flat gradient storage
+  is allocated when its first gradient arrives;
+- either way a group holds gradients only from its first gradient on, not from its
+  pre-backward: the embedding's group (torchtitan's grouping) holds none until
+  ``embedding_dense_backward`` has produced one;
+- every gradient (and unsharded parameter) storage is freed by the end of the step;
 - at no moment of backward are more groups unsharded than under torch's FSDP2 (the same
   backward prefetch), for both groupings;
 - a group whose parameters get no gradient on one rank still reduce-scatters (zeros):
@@ -48,17 +52,17 @@ class _AfterEachOp(TorchDispatchMode):
         return out
 
 
-def _build(fs, grouping: str, mesh) -> Transformer:
+def _build(fs, grouping: str, mesh, **kw) -> Transformer:
     model = Transformer(get_config("llama-tiny"), max_seq_len=SEQ, seed=0)
     if grouping == "titan":  # torchtitan: embedding, each block, [norm, output], the root
-        fs(model.tok_embeddings, mesh=mesh)
+        fs(model.tok_embeddings, mesh=mesh, **kw)
         for block in model.transformer_blocks():
-            fs(block, mesh=mesh)
-        fs([model.norm, model.output], mesh=mesh)
+            fs(block, mesh=mesh, **kw)
+        fs([model.norm, model.output], mesh=mesh, **kw)
     else:  # each block, then the root (benchmarks/_common.py)
         for block in model.transformer_blocks():
-            fs(block, mesh=mesh)
-    fs(model, mesh=mesh)
+            fs(block, mesh=mesh, **kw)
+    fs(model, mesh=mesh, **kw)
     return model
 
 
@@ -100,27 +104,35 @@ def _most_unsharded_in_backward(model, system: str, rank: int) -> int:
     return most[0]
 
 
-def _grad_storage_timeline(model, rank: int) -> tuple[list[str], dict[int, int]]:
-    """Backward's ops, and for each buffer the index of the op after which its gradient
-    storage was first seen allocated."""
+def _grad_storage_timeline(model, rank: int) -> tuple[list[str], dict[int, int], bool]:
+    """Backward's ops; for each buffer the index of the op after which it first held a
+    gradient (in a gradient storage, or over its parameters); whether any buffer
+    allocated a gradient storage of its own."""
     bufs = buffers_of(model)
     ops: list[str] = []
     first: dict[int, int] = {}
+    separate = [False]
 
     def probe(op):
         ops.append(op)
         for i, b in enumerate(bufs):
-            if i not in first and b.unsharded_grad.untyped_storage().nbytes() > 0:
+            own = b.unsharded_grad.untyped_storage().nbytes() > 0
+            separate[0] |= own
+            if i not in first and (own or b.unsharded_holds_grads):
                 first[i] = len(ops) - 1
 
     _step(model, rank, 0)
     for p in model.parameters():
         p.grad = None
     _step(model, rank, 1, probe)
-    assert all(b.unsharded_grad.untyped_storage().nbytes() == 0 for b in bufs), (
-        "an unsharded gradient storage outlived the backward"
-    )
-    return ops, first
+    for b in bufs:
+        assert b.unsharded_grad.untyped_storage().nbytes() == 0, (
+            "an unsharded gradient storage outlived the backward"
+        )
+        assert b.unsharded.untyped_storage().nbytes() == 0 and not b.unsharded_holds_grads, (
+            "an unsharded parameter storage outlived the backward"
+        )
+    return ops, first, separate[0]
 
 
 class _MaybeUnused(nn.Module):
@@ -137,17 +149,21 @@ class _MaybeUnused(nn.Module):
 def _check(rank: int, world: int) -> None:
     mesh = init_device_mesh("cpu", (world,))
 
-    # 1. The embedding group's gradient storage: not before the embedding's backward.
-    model = _build(fully_shard, "titan", mesh)
-    ops, first = _grad_storage_timeline(model, rank)
-    bufs = buffers_of(model)
-    (emb,) = [i for i, b in enumerate(bufs) if b is buffer_of(model.tok_embeddings.weight)[0]]
-    backward_of_embedding = ops.index("aten.embedding_dense_backward.default")
-    assert first[emb] > backward_of_embedding, (
-        f"the embedding group's gradient storage was allocated after op {first[emb]} "
-        f"({ops[first[emb]]}), before the embedding's backward (op {backward_of_embedding})"
-    )
-    assert len(first) == len(bufs), "a group never got gradient storage"
+    # 1. The embedding group holds gradients only after the embedding's backward; by
+    #    default no group allocates a gradient storage beside its parameters.
+    for in_params in (True, False):
+        model = _build(fully_shard, "titan", mesh, grads_in_params=in_params)
+        ops, first, separate = _grad_storage_timeline(model, rank)
+        assert separate is not in_params, (in_params, separate)
+        bufs = buffers_of(model)
+        (emb,) = [i for i, b in enumerate(bufs) if b is buffer_of(model.tok_embeddings.weight)[0]]
+        backward_of_embedding = ops.index("aten.embedding_dense_backward.default")
+        assert first[emb] > backward_of_embedding, (
+            f"grads_in_params={in_params}: the embedding group held a gradient after op "
+            f"{first[emb]} ({ops[first[emb]]}), before the embedding's backward (op "
+            f"{backward_of_embedding})"
+        )
+        assert len(first) == len(bufs), "a group never held a gradient"
 
     # 2. Groups unsharded at once in backward: no more than FSDP2 (same prefetch), and
     #    the gradients equal FSDP2's.
