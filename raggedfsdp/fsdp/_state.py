@@ -337,7 +337,9 @@ class FSDPState:
         for s in self._states:
             s._pending_post_backward = 0
             if s.group is not None and s.group.needs_post_backward:
+                self._wait_earlier_reduces(s)  # as in _post_backward: bounded in flight
                 s.group.post_backward(reshard=s.reshard_after_backward)
+                self._reduce_order.append(s)
             elif s.group is not None and s.reshard_after_backward:
                 s.group.reshard()
             s.training_state = TrainingState.IDLE

@@ -104,7 +104,8 @@ def _check_raggedfsdp_bf16(rank, world):
     root = _root_buffers(model)
     for b in buffers_of(model):
         casts_in = [e for e in ours if storage_key(b.shard) in e.reads]
-        casts_out = [e for e in ours if storage_key(b.unsharded_grad) in e.reads]
+        # the gradients are written over the parameters ([Note: gradients in place])
+        casts_out = [e for e in ours if storage_key(b.unsharded) in e.reads]
         gathers = 1 if b in root else 2
         assert len(casts_in) == gathers  # one cast of the whole shard per all-gather
         assert len(casts_out) == 1  # one cast of the whole gradient buffer per reduce-scatter
