@@ -214,13 +214,14 @@ class _PeakGroups:
     """What each group holds at the step's peak: ``{group: [unsharded params, unsharded
     gradients]}`` in bytes, the module and op at the peak, and the number of groups unsharded.
 
-    raggedfsdp: the global parameter storage (also the all-gather output) and the flat
-    gradient storage of each buffer (its reduce-scatter input). FSDP2: the unsharded
-    parameters plus an all-gather output in flight, the unsharded ``.grad``s; its
-    reduce-scatter input (the gradients' copy, kept until the next reduce-scatter) is the
-    row ``reduce-scatter input``. The rest of the peak (sharded parameters and gradients,
-    optimizer states, activations, temporaries, raggedfsdp's cast for a reduce-scatter in
-    another dtype) is the row ``other``.
+    raggedfsdp: the global parameter storage (the all-gather output, and in backward the
+    gradients written over the parameters: [Note: gradients in place]; counted once, as
+    parameters) and the flat gradient storage of each buffer, where one is allocated. FSDP2:
+    the unsharded parameters plus an all-gather output in flight, the unsharded ``.grad``s;
+    its reduce-scatter input (the gradients' copy, kept until the next reduce-scatter) is
+    the row ``reduce-scatter input``. The rest of the peak (sharded parameters and
+    gradients, optimizer states, activations, temporaries, raggedfsdp's cast for a reduce-
+    scatter in another dtype) is the row ``other``.
     """
 
     def __init__(self, run: Run):
@@ -297,13 +298,20 @@ class _MostAlive(TorchDispatchMode):
 
 
 def unsharded_grads_step(run: Run) -> list[int]:
-    """raggedfsdp only: ``[most bytes of unsharded gradient buffers alive at once, all groups]``.
+    """raggedfsdp only: ``[most bytes of unsharded gradients held at once, all groups]``.
 
-    A diagnostic for the memory numbers: the live bytes of every buffer's unsharded
-    gradient storage, sampled after every op of one step.
+    A diagnostic for the memory numbers: after every op of one step, the bytes of each
+    buffer's storage that holds unsharded gradients, its gradient storage, or its
+    unsharded parameter storage while gradients are written over the parameters
+    ([Note: gradients in place]: those bytes are the parameters' too, counted once).
     """
     bufs = buffers_of(run.model)
-    alive = _MostAlive(lambda: sum(b.unsharded_grad.untyped_storage().nbytes() for b in bufs))
+
+    def held(b) -> int:
+        own = b.unsharded_grad.untyped_storage().nbytes()
+        return own or (b.unsharded.untyped_storage().nbytes() if b.unsharded_holds_grads else 0)
+
+    alive = _MostAlive(lambda: sum(held(b) for b in bufs))
     run.step(around=lambda: alive)
     return [alive.most, sum(b.unsharded_nbytes for b in bufs)]
 
@@ -396,8 +404,8 @@ def _summary_rows(r: dict, args) -> list[tuple[str, str, str, str]]:
     pa, pb = (max(r["peak_per_rank"][s]) for s in SYSTEMS)
     rows.append(("peak memory, max over ranks (MiB)", mib(pa), mib(pb), _r(pa, pb)))
     held, total = r["ragged_unsharded_grads"]
-    rows.append(("unsharded gradient buffers: most alive at once / all groups (MiB)",
-                 f"{mib(held)} / {mib(total)}", "", ""))  # fmt: skip
+    label = "unsharded gradients (own storage or over the parameters): most at once / all (MiB)"
+    rows.append((label, f"{mib(held)} / {mib(total)}", "", ""))
     rows.append(("shard gradient storage (MiB)", mib(r["ragged_shard_grad_bytes"]), "", ""))
     da, db = r["padding"]["raggedfsdp"], r["padding"]["fsdp2"]
     pct = [f"{d:,} ({100 * d / r['params']:.3f}%)" for d in (da, db)]

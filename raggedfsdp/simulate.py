@@ -34,7 +34,10 @@ an all-reduce of the shard gradients over the R replicas (counted as ``all_reduc
   holds while it runs), communication buffers (any other storage a collective read
   or wrote), activations (the rest: ACT, BUFFER, OTH) and backward temporaries
   (TEMP). raggedfsdp's unsharded parameters *are* its all-gather output (zero copy);
-  FSDP2's all-gather output is a separate buffer that it copies out of.
+  FSDP2's all-gather output is a separate buffer that it copies out of. raggedfsdp
+  writes each gradient over its unsharded parameter ([Note: gradients in place]): such
+  a storage counts once, as what MemTracker last saw it hold (GRAD once a gradient is
+  in it).
 - **DTensor's sharding propagation** runs each op on global-shape fake tensors in the
   active fake mode (``detect_fake_mode()``), which here is the simulation's, so
   MemTracker would count those global tensors as this rank's. The simulation marks

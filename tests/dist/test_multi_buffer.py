@@ -6,6 +6,9 @@ forced (``buffer_alpha_bytes`` negative: every cut the planner finds is taken).
   raggedfsdp's AdamW8bit and Muon (4 ranks) (over more steps their 8-bit and bf16 roundings turn
   the last-bit differences of a sharded gradient sum into 1-3e-5 in the loss, as on one
   buffer). Each block's parameters really lie in several buffers.
+- Given one process's gradients, 10 steps: AdamW8bit's codes, scales, fp32 moments and
+  parameters are bit-identical to that process's AdamW8bit, and Muon's parameters are
+  within 1e-5 of that process's Muon, at 3 and 4 ranks, on both models.
 - fp32: no copy reads or writes the buffers around the collectives; each buffer
   all-gathers and reduce-scatters once per group per step.
 - A checkpoint saved with multi-buffer groups loads into one-buffer groups and back,
@@ -25,6 +28,7 @@ from torch.distributed.tensor import DTensor, init_device_mesh
 
 import raggedfsdp
 from raggedfsdp import checkpoint
+from raggedfsdp._dtensor_ext import ragged_piece
 from raggedfsdp.fsdp import buffers_of
 from raggedfsdp.models import get_config
 from raggedfsdp.models.transformer import Transformer, lm_loss
@@ -34,6 +38,7 @@ from tests.harness import run_cases, spawn
 
 SEQ, STEPS, ROWS = 16, 10, 12  # 12 rows: every rank of 3 or 4 takes the same count
 ROUNDED_STEPS = 3  # AdamW8bit and Muon: see the module docstring
+GIVEN_STEPS = 10  # steps given one process's gradients
 MODELS = ("llama-tiny", "moe-tiny")
 OPTIMS = ("sgd", "adamw", "adamw8bit", "muon")
 SPLIT = dict(max_buffers=3, buffer_alpha_bytes=-(1 << 30))  # take every cut found
@@ -109,6 +114,59 @@ def _check_parity(name, opt_name, rank, world, ref):
             torch.testing.assert_close(full[k], v, rtol=0, atol=1e-5, msg=k)
 
 
+def _piece(full: torch.Tensor, like: DTensor) -> torch.Tensor:
+    """This rank's local tensor of ``full`` placed like ``like``."""
+    return ragged_piece(full.shape, like.device_mesh, like.placements).rows(full)
+
+
+def _given_grads_reference(name, opt_name):
+    """One process's optimizer given random gradients: per-step gradients and states,
+    and the final parameters (full tensors, by name)."""
+    model = _model(name, None, opt_name)
+    opt, params = _optimizer(model, opt_name), dict(model.named_parameters())
+    grads, states = [], []
+    gen = torch.Generator().manual_seed(5)
+    for _ in range(GIVEN_STEPS):
+        for p in params.values():
+            p.grad = torch.randn(p.shape, generator=gen)
+        grads.append({n: p.grad.clone() for n, p in params.items()})
+        opt.step()
+        states.append(
+            {n: {k: v.clone() for k, v in opt.state[p].items()} for n, p in params.items()}
+        )
+    return grads, states, {n: p.detach().clone() for n, p in params.items()}
+
+
+def _check_given_grads(name, opt_name, rank, world, ref):
+    """AdamW8bit bit-identical (codes, scales, moments, parameters); Muon within 1e-5."""
+    grads, states, final = ref
+    model = _model(name, init_device_mesh("cpu", (world,)), opt_name)
+    assert len(buffers_of(model.layers[0])) >= 2  # the block's group is split
+    opt = _optimizer(model, opt_name)
+    rows = _data()[0][rank * ROWS // world :][: ROWS // world]
+    lm_loss(model(rows[:, :-1]), rows[:, 1:]).backward()  # every .grad a view of its storage
+    for step in range(GIVEN_STEPS):
+        for n, p in model.named_parameters():
+            p.grad._local_tensor.copy_(_piece(grads[step][n], p))
+        opt.step()
+        if opt_name != "adamw8bit":
+            continue
+        for n, p in model.named_parameters():
+            for key, theirs in states[step][n].items():
+                if key == "step":
+                    continue
+                ours = opt.state[p][key]  # placed like the parameter (scales: by block)
+                assert ours.shape == theirs.shape, (n, key, ours.shape, theirs.shape)
+                assert torch.equal(ours._local_tensor, _piece(theirs, ours)), (step, n, key)
+    for n, p in model.named_parameters():
+        if opt_name == "adamw8bit":
+            assert torch.equal(p._local_tensor, _piece(final[n], p)), n
+        else:
+            torch.testing.assert_close(
+                p._local_tensor, _piece(final[n], p), rtol=0, atol=1e-5, msg=n
+            )
+
+
 def _check_copies_and_bytes(name, rank, world):
     mesh = init_device_mesh("cpu", (world,))
     model = _model(name, mesh, "sgd")
@@ -162,7 +220,10 @@ def _check_errors(world):
     model = Transformer(get_config("llama-tiny"), max_seq_len=SEQ, seed=0)
     for bad, match in [
         (dict(max_buffers=0), r"max_buffers must be an int >= 1, got 0; pass 1"),
-        (dict(buffer_alpha_bytes=1.5), r"buffer_alpha_bytes must be an int \(bytes\) or None, got 1.5"),
+        (
+            dict(buffer_alpha_bytes=1.5),
+            r"buffer_alpha_bytes must be an int \(bytes\) or None, got 1.5",
+        ),
     ]:
         with pytest.raises(ValueError, match=match):
             raggedfsdp.fully_shard(model, mesh=mesh, **bad)
@@ -176,6 +237,10 @@ def _grid(rank, world, refs, root):
         for m in MODELS
         for o in optims
     }
+    for m in MODELS:
+        for o in ("adamw8bit", "muon"):
+            ref = refs[m, o, "given"]
+            cases[f"given grads {m} {o}"] = partial(_check_given_grads, m, o, rank, world, ref)
     if world == 4:
         for m in MODELS:
             cases[f"copies and bytes {m}"] = partial(_check_copies_and_bytes, m, rank, world)
@@ -193,6 +258,8 @@ def _references() -> dict:
             model = _model(m, None, o)
             losses = _train(model, _optimizer(model, o), range(_steps(o)), 0, None)
             refs[m, o] = (losses, _full(model) if o == "sgd" else None)
+        for o in ("adamw8bit", "muon"):
+            refs[m, o, "given"] = _given_grads_reference(m, o)
     return refs
 
 
