@@ -37,12 +37,20 @@ every partition of the tensors).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from raggedfsdp.planner._layout import BufferLayout
-from raggedfsdp.planner._plan import DEFAULT_ALIGNMENT_BYTES, plan_buffer
+from raggedfsdp.planner._plan import (
+    DEFAULT_ALIGNMENT_BYTES,
+    alignment_elems,
+    canonical_plan,
+    plan_buffer,
+    register_cache,
+    structure,
+)
 from raggedfsdp.planner._spec import TensorSpec, dtype_name_and_itemsize
 
 __all__ = ["DEFAULT_ALPHA_BYTES_PER_RANK", "DEFAULT_MAX_BUFFERS", "MultiPlan", "plan_buffers"]
@@ -129,30 +137,53 @@ def plan_buffers(
         raise ValueError(f"planner: alpha_bytes must be an int or None, got {alpha_bytes!r}")
     specs = tuple(tensors)
     kw = dict(dtype=dtype, alignment_bytes=alignment_bytes, member_gaps=member_gaps)
-    itemsize = dtype_name_and_itemsize(dtype)[1]
-    single = plan_buffer(specs, world_size, **kw)
-
+    single = plan_buffer(specs, world_size, **kw)  # checks every input
     if max_buffers == 1 or len(specs) == 1:
         return MultiPlan((single,), single, single.lower_bound_padding, single.lower_bound_padding)
+    name, a = alignment_elems(dtype, alignment_bytes)
+    parts, searched = _split(
+        structure(specs), world_size, a, name, bool(member_gaps), max_buffers, alpha_bytes
+    )
+    if len(parts) == 1:
+        final: tuple[BufferLayout, ...] = (single,)
+    else:
+        final = tuple(plan_buffer([specs[i] for i in part], world_size, **kw) for part in parts)
+    return MultiPlan(final, single, _lb_padding(final), min(searched, _lb_padding(final)))
+
+
+@functools.lru_cache(maxsize=1024)
+def _split(
+    key: tuple, m: int, a: int, dtype: str, gaps: bool, max_buffers: int, alpha_bytes: int
+) -> tuple[tuple[tuple[int, ...], ...], int]:
+    """The search of ``plan_buffers`` on a group's structure (identical groups, every
+    layer, search once): ``(the chosen parts as tensor indices, the least bound searched)``.
+    Parts are planned by structure and renamed only once chosen."""
+    specs = [
+        TensorSpec(name=f"#{i}", shape=sh, block_rows=b, stack=st)
+        for i, (sh, b, st) in enumerate(key)
+    ]
+    itemsize = dtype_name_and_itemsize(dtype)[1]
+    single = canonical_plan(key, m, a, dtype, gaps)
     keys = sorted({_key(s) for s in specs})  # the block-size classes, in order
     if len(keys) == 1 or single.padding * itemsize <= alpha_bytes:  # no split can pay
-        return MultiPlan((single,), single, single.lower_bound_padding, single.lower_bound_padding)
-    evaluated: dict[tuple[int, ...], tuple[int, tuple[BufferLayout, ...]]] = {}
-    planned: dict[tuple[int, ...], BufferLayout] = {}  # a part (its tensors' indices) -> plan
+        return (tuple(range(len(specs))),), single.lower_bound_padding
+    evaluated: dict[tuple[int, ...], tuple[int, tuple[tuple[int, ...], ...]]] = {}
+    planned: dict[tuple[int, ...], tuple[int, int]] = {}  # part -> (padding, bound)
     class_of = [keys.index(_key(s)) for s in specs]
 
     def evaluate(assign: tuple[int, ...]) -> int:
         """The cost of putting class ``c`` in buffer ``assign[c]`` (buffers numbered by
         first class, so each split has one name)."""
         if assign not in evaluated:
-            layouts = []
+            parts = []
             for b in range(max(assign) + 1):
                 part = tuple(i for i, c in enumerate(class_of) if assign[c] == b)
                 if part not in planned:
-                    planned[part] = plan_buffer([specs[i] for i in part], world_size, **kw)
-                layouts.append(planned[part])
-            c = sum(x.padding for x in layouts) * itemsize + alpha_bytes * (len(layouts) - 1)
-            evaluated[assign] = (c, tuple(layouts))
+                    plan = canonical_plan(tuple(key[i] for i in part), m, a, dtype, gaps)
+                    planned[part] = (plan.padding, plan.lower_bound_padding)
+                parts.append(part)
+            padding = sum(planned[part][0] for part in parts)
+            evaluated[assign] = (padding * itemsize + alpha_bytes * (len(parts) - 1), tuple(parts))
         return evaluated[assign][0]
 
     # 1. every cut of the class order into one or two contiguous runs
@@ -174,9 +205,11 @@ def plan_buffers(
         if evaluate(improved) >= evaluate(best):
             break
         best = improved
-    final = evaluated[best][1]
-    searched = min(_lb_padding(layouts) for _, layouts in evaluated.values())
-    return MultiPlan(final, single, _lb_padding(final), min(searched, _lb_padding(final)))
+    searched = min(sum(planned[p][1] for p in parts) for _, parts in evaluated.values())
+    return evaluated[best][1], searched
+
+
+register_cache(_split)
 
 
 def _key(s: TensorSpec) -> tuple[int, bool]:

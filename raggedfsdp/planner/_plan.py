@@ -91,13 +91,25 @@ def plan_buffer(
     dup = sorted({n for n in names if names.count(n) > 1})
     if dup:
         raise ValueError(f"planner: tensor names must be unique in a group; repeated: {dup}")
-    if max_orders is None:
-        max_orders = _DEFAULT_ORDERS_SMALL if len(specs) <= 8 else _DEFAULT_ORDERS
-    if max_orders < 1:
+    if max_orders is not None and max_orders < 1:
         raise ValueError(f"planner: max_orders must be >= 1, got {max_orders}")
-    key = tuple((s.shape, s.block_rows, s.stack) for s in specs)
-    canonical = _plan_cached(key, m, a, name, bool(member_gaps), max_orders)
+    canonical = canonical_plan(structure(specs), m, a, name, bool(member_gaps), max_orders)
     return canonical.renamed({f"#{i}": s.name for i, s in enumerate(specs)})
+
+
+def structure(specs: Sequence[TensorSpec]) -> tuple:
+    """What a plan depends on, names aside: ``(shape, block_rows, stack)`` per tensor."""
+    return tuple((s.shape, s.block_rows, s.stack) for s in specs)
+
+
+def canonical_plan(
+    key: tuple, m: int, a: int, dtype: str, member_gaps: bool, max_orders: int | None = None
+) -> BufferLayout:
+    """The plan of tensors named ``#0, #1, ...`` of structure ``key`` (cached: identical
+    groups share it); ``plan_buffer`` renames it. Inputs already checked."""
+    if max_orders is None:
+        max_orders = _DEFAULT_ORDERS_SMALL if len(key) <= 8 else _DEFAULT_ORDERS
+    return _plan_cached(key, m, a, dtype, member_gaps, max_orders)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -176,6 +188,15 @@ def plan_groups(
     return out
 
 
+_CACHES: list = [_plan_cached]  # every planner cache; see register_cache
+
+
+def register_cache(cached) -> None:
+    """Have ``clear_plan_cache`` clear ``cached`` (an ``lru_cache``d planner function)."""
+    _CACHES.append(cached)
+
+
 def clear_plan_cache() -> None:
-    """Forget cached plans (benchmarks call it to time a cold plan)."""
-    _plan_cached.cache_clear()
+    """Forget cached plans and splits (benchmarks call it to time a cold plan)."""
+    for cached in _CACHES:
+        cached.cache_clear()
