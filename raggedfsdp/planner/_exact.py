@@ -172,3 +172,82 @@ def plan_exact(
         lower_bound=lb,
     )
     return layout, proven
+
+
+def plan_buffers_exact(
+    tensors: Iterable[TensorSpec],
+    world_size: int,
+    *,
+    max_buffers: int,
+    alpha_bytes: int | None = None,
+    dtype: Any = "bfloat16",
+    alignment_bytes: int = DEFAULT_ALIGNMENT_BYTES,
+    time_limit: float = 60.0,
+) -> tuple[tuple[BufferLayout, ...], int, bool]:
+    """The exact multi-buffer reference: every partition of the tensors into at most
+    ``max_buffers`` buffers, each buffer solved by ``plan_exact``, weighed by the cost
+    ``plan_buffers`` minimises (padding bytes, plus ``alpha_bytes`` per buffer beyond
+    the first; see [Note: multi-buffer groups]).
+
+    For small instances only: ``2**T - 1`` buffers are solved (each distinct subset of
+    the ``T`` tensors once), and partitions enumerated up to ``max_buffers`` parts.
+
+    Returns:
+        ``(layouts, cost, proven)``: the cheapest split found, its cost in bytes, and
+        whether every subset's solve was proven optimal (then the split is optimal).
+
+    Raises:
+        ValueError: more than 10 tensors, a bad ``max_buffers`` / ``alpha_bytes``, or what
+            ``plan_exact`` raises.
+    """
+    from raggedfsdp.planner._multi import DEFAULT_ALPHA_BYTES_PER_RANK
+    from raggedfsdp.planner._spec import dtype_name_and_itemsize
+
+    specs = list(tensors)
+    m = _check_world(world_size)
+    if len(specs) > 10:
+        raise ValueError(
+            f"plan_buffers_exact: {len(specs)} tensors give {2 ** len(specs) - 1} subsets to "
+            "solve; use it on at most 10 (plan_buffers, the heuristic, for larger groups)"
+        )
+    if isinstance(max_buffers, bool) or not isinstance(max_buffers, int) or max_buffers < 1:
+        raise ValueError(
+            f"plan_buffers_exact: max_buffers must be an int >= 1, got {max_buffers!r}"
+        )
+    if alpha_bytes is None:
+        alpha_bytes = DEFAULT_ALPHA_BYTES_PER_RANK * m
+    itemsize = dtype_name_and_itemsize(dtype)[1]
+    solved: dict[tuple[int, ...], tuple[BufferLayout, bool]] = {}
+
+    def solve(part: tuple[int, ...]) -> tuple[BufferLayout, bool]:
+        if part not in solved:
+            solved[part] = plan_exact(
+                [specs[i] for i in part],
+                m,
+                dtype=dtype,
+                alignment_bytes=alignment_bytes,
+                time_limit=time_limit,
+            )
+        return solved[part]
+
+    best: tuple[int, tuple[BufferLayout, ...]] | None = None
+    for parts in _partitions(tuple(range(len(specs))), max_buffers):
+        layouts = tuple(solve(p)[0] for p in parts)
+        cost = sum(x.padding for x in layouts) * itemsize + alpha_bytes * (len(parts) - 1)
+        if best is None or cost < best[0]:
+            best = (cost, layouts)
+    assert best is not None
+    return best[1], best[0], all(proven for _, proven in solved.values())
+
+
+def _partitions(items: tuple[int, ...], most: int):
+    """Every partition of ``items`` into at most ``most`` non-empty parts (each once)."""
+    if not items:
+        yield ()
+        return
+    first, rest = items[0], items[1:]
+    for sub in _partitions(rest, most):
+        for i in range(len(sub)):  # first joins an existing part
+            yield (*sub[:i], (first, *sub[i]), *sub[i + 1 :])
+        if len(sub) < most:  # or starts its own
+            yield ((first,), *sub)

@@ -16,8 +16,13 @@ first every cut of the classes, in block-size order, into two contiguous runs; t
 from the cheapest, single classes move to another buffer (or a new one, while fewer
 than ``max_buffers`` are used) as long as the best move lowers the cost. So a split need
 not follow the order: DeepSeek-V3's layers at 1024 ranks pad least with ``wo``,
-``wq_b`` and the experts' ``w2`` in one buffer and the rest in the other. A group whose
-whole padding costs less than one more buffer is not searched at all.
+``wq_b`` and the experts' ``w2`` in one buffer and the rest in the other. In a group of
+at most ``FINE_SEARCH_TENSORS`` tensors, single tensors then move the same way (two
+tensors of one class may belong apart). A group whose whole padding costs less than one
+more buffer is not searched at all. The search runs once per group structure (shapes,
+blocks, stacks: every layer of a model shares it), on cached plans of the candidate
+parts, and only the chosen parts get their tensors' names. ``plan_buffers_exact`` (in
+``_exact.py``) is the reference: every partition, each buffer solved by HiGHS.
 
 Cost, in bytes on the wire: a buffer's padding is gathered and reduced like its data,
 so each padding element costs its bytes on every step's collectives; one more buffer
@@ -57,6 +62,7 @@ __all__ = ["DEFAULT_ALPHA_BYTES_PER_RANK", "DEFAULT_MAX_BUFFERS", "MultiPlan", "
 
 DEFAULT_ALPHA_BYTES_PER_RANK = 128 << 10
 DEFAULT_MAX_BUFFERS = 4  # fully_shard's default; plan_buffers' own default is 1
+FINE_SEARCH_TENSORS = 8  # groups up to this size also try moving single tensors
 
 
 @dataclass(frozen=True)
@@ -165,19 +171,20 @@ def _split(
     itemsize = dtype_name_and_itemsize(dtype)[1]
     single = canonical_plan(key, m, a, dtype, gaps)
     keys = sorted({_key(s) for s in specs})  # the block-size classes, in order
-    if len(keys) == 1 or single.padding * itemsize <= alpha_bytes:  # no split can pay
-        return (tuple(range(len(specs))),), single.lower_bound_padding
+    fine = len(specs) <= FINE_SEARCH_TENSORS
+    if (len(keys) == 1 and not fine) or single.padding * itemsize <= alpha_bytes:
+        return (tuple(range(len(specs))),), single.lower_bound_padding  # no split can pay
     evaluated: dict[tuple[int, ...], tuple[int, tuple[tuple[int, ...], ...]]] = {}
     planned: dict[tuple[int, ...], tuple[int, int]] = {}  # part -> (padding, bound)
     class_of = [keys.index(_key(s)) for s in specs]
 
     def evaluate(assign: tuple[int, ...]) -> int:
-        """The cost of putting class ``c`` in buffer ``assign[c]`` (buffers numbered by
-        first class, so each split has one name)."""
+        """The cost of putting tensor ``t`` in buffer ``assign[t]`` (buffers numbered by
+        first tensor, so each split has one name)."""
         if assign not in evaluated:
             parts = []
             for b in range(max(assign) + 1):
-                part = tuple(i for i, c in enumerate(class_of) if assign[c] == b)
+                part = tuple(i for i, buf in enumerate(assign) if buf == b)
                 if part not in planned:
                     plan = canonical_plan(tuple(key[i] for i in part), m, a, dtype, gaps)
                     planned[part] = (plan.padding, plan.lower_bound_padding)
@@ -186,25 +193,35 @@ def _split(
             evaluated[assign] = (padding * itemsize + alpha_bytes * (len(parts) - 1), tuple(parts))
         return evaluated[assign][0]
 
+    def of_classes(by_class: tuple[int, ...]) -> tuple[int, ...]:
+        return _canonical(tuple(by_class[c] for c in class_of))
+
+    def descend(best: tuple[int, ...], units: list[list[int]]) -> tuple[int, ...]:
+        """Move one unit (a class, or a tensor) to another buffer, or to a new one while
+        fewer than ``max_buffers`` are used, taking the best move while it lowers the cost."""
+        for _ in range(2 * len(units)):
+            moves = [
+                _canonical(tuple(b if i in unit else x for i, x in enumerate(best)))
+                for unit in units
+                for b in range(min(max(best) + 2, max_buffers))
+                if b != best[unit[0]]
+            ]
+            improved = min(moves, key=evaluate, default=best)
+            if evaluate(improved) >= evaluate(best):
+                break
+            best = improved
+        return best
+
     # 1. every cut of the class order into one or two contiguous runs
-    best = tuple([0] * len(keys))
+    best = tuple([0] * len(specs))
     for cuts in _compositions(len(keys), 2):
-        assign = tuple(b for b, n in enumerate(cuts) for _ in range(n))
+        assign = of_classes(tuple(b for b, n in enumerate(cuts) for _ in range(n)))
         if evaluate(assign) < evaluate(best):
             best = assign
-    # 2. then move single classes to another buffer, or to a new one while fewer than
-    # max_buffers are used, taking the best move while it lowers the cost
-    for _ in range(2 * len(keys)):
-        moves = [
-            _canonical(best[:i] + (b,) + best[i + 1 :])
-            for i in range(len(keys))
-            for b in range(min(max(best) + 2, max_buffers))
-            if b != best[i]
-        ]
-        improved = min(moves, key=evaluate, default=best)
-        if evaluate(improved) >= evaluate(best):
-            break
-        best = improved
+    # 2. single classes moved; 3. in a small group, single tensors too
+    best = descend(best, [[i for i, c in enumerate(class_of) if c == k] for k in range(len(keys))])
+    if fine:
+        best = descend(best, [[i] for i in range(len(specs))])
     searched = min(sum(planned[p][1] for p in parts) for _, parts in evaluated.values())
     return evaluated[best][1], searched
 
