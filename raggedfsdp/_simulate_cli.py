@@ -8,7 +8,7 @@ import json
 import sys
 from typing import Any
 
-from raggedfsdp.simulate import ROLES, SYSTEMS, SimConfig, simulate, time_fully_shard
+from raggedfsdp.simulate import GROUPINGS, ROLES, SYSTEMS, SimConfig, simulate, time_fully_shard
 
 __all__ = ["cross_check", "format_result", "main", "parse_mesh", "plot_timeline"]
 
@@ -176,6 +176,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--ac", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--rank", type=int, default=0)
+    p.add_argument(
+        "--grouping",
+        choices=GROUPINGS,
+        default="blocks",
+        help="blocks: fully_shard each block, then the root (default); torchtitan: the "
+        "embedding, each block, [norm, output], then the root",
+    )
     p.add_argument("--warmup", type=int, default=1, help="unmeasured steps first (default 1)")
     p.add_argument("--time-shard", action="store_true", help="time fully_shard of all blocks")
     p.add_argument("--png", help="draw the step's memory by role over its ops to this PNG")
@@ -207,6 +214,7 @@ def _configs(args: argparse.Namespace) -> list[SimConfig]:
             rank=args.rank,
             warmup=args.warmup,
             replicate=replicate,
+            grouping=args.grouping,
         )
         for s in systems
     ]

@@ -85,6 +85,7 @@ import torch
 from torch import nn
 
 __all__ = [
+    "GROUPINGS",
     "SimConfig",
     "build_model",
     "buildable_config",
@@ -100,6 +101,7 @@ __all__ = [
 ]
 
 SYSTEMS = ("raggedfsdp", "fsdp2")
+GROUPINGS = ("blocks", "torchtitan")
 ROLES = (
     "sharded_params",
     "unsharded_params",
@@ -136,6 +138,10 @@ class SimConfig:
         replicate: HSDP over a mesh ``(replicate, world // replicate)`` named
             ``("replicate", "shard")``; None: a 1-D mesh of ``world`` ranks (FSDP).
             Default None.
+        grouping: ``"blocks"`` (``fully_shard`` each block, then the root) or
+            ``"torchtitan"`` (the embedding, each block, ``[norm, output]``, then the
+            root, resharding after forward as torchtitan does by default: not the last
+            block, nor ``[norm, output]``). Default ``"blocks"``.
     """
 
     model: str
@@ -151,12 +157,17 @@ class SimConfig:
     warmup: int = 1
     width: int = 1
     replicate: int | None = None
+    grouping: str = "blocks"
 
     def __post_init__(self) -> None:
         if self.system not in SYSTEMS:
             raise ValueError(f"SimConfig: system must be one of {SYSTEMS}, got {self.system!r}")
         if self.optim not in ("adamw", "none"):
             raise ValueError(f"SimConfig: optim must be 'adamw' or 'none', got {self.optim!r}")
+        if self.grouping not in GROUPINGS:
+            raise ValueError(
+                f"SimConfig: grouping must be one of {GROUPINGS}, got {self.grouping!r}"
+            )
         if self.mp not in ("bf16", "fp32"):
             raise ValueError(f"SimConfig: mp must be 'bf16' or 'fp32', got {self.mp!r}")
         if self.world < 1 or not 0 <= self.rank < self.world:
@@ -284,8 +295,8 @@ def build_model(cfg: SimConfig) -> tuple[nn.Module, str]:
     return model, note
 
 
-def shard_model(model: nn.Module, mesh, system: str, mp: str) -> None:
-    """``fully_shard`` each block, then the root, by ``system``."""
+def shard_model(model: nn.Module, mesh, system: str, mp: str, grouping: str = "blocks") -> None:
+    """``fully_shard`` the model by ``system``, grouped as ``SimConfig.grouping`` says."""
     if system == "raggedfsdp":
         from raggedfsdp import MixedPrecisionPolicy, fully_shard
     else:
@@ -295,8 +306,14 @@ def shard_model(model: nn.Module, mesh, system: str, mp: str) -> None:
         kwargs["mp_policy"] = MixedPrecisionPolicy(
             param_dtype=torch.bfloat16, reduce_dtype=torch.float32
         )
-    for block in model.layers:
-        fully_shard(block, **kwargs)
+    if grouping == "torchtitan":
+        fully_shard(model.tok_embeddings, **kwargs)
+        for i, block in enumerate(model.layers):
+            fully_shard(block, **kwargs, reshard_after_forward=i < len(model.layers) - 1)
+        fully_shard([model.norm, model.output], **kwargs, reshard_after_forward=False)
+    else:
+        for block in model.layers:
+            fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
 
 
@@ -621,7 +638,7 @@ def simulate(cfg: SimConfig) -> dict[str, Any]:
     with fake_world(cfg.world, cfg.rank, cfg.replicate) as mesh:
         model, note = build_model(cfg)
         t0 = time.perf_counter()
-        shard_model(model, mesh, cfg.system, cfg.mp)
+        shard_model(model, mesh, cfg.system, cfg.mp, cfg.grouping)
         shard_s = time.perf_counter() - t0
         n_params = sum(p.numel() for p in model.parameters())
         facts = _layout_facts(model, cfg.system, cfg.shard_ranks)
