@@ -13,6 +13,7 @@ _EXPORTS = {
     "RaggedShard": "raggedfsdp.placement",
     "BlockPolicy": "raggedfsdp.fsdp",
     "FSDPModule": "raggedfsdp.fsdp",
+    "Float8BlockAllGather": "raggedfsdp.fsdp",
     "MixedPrecisionPolicy": "raggedfsdp.fsdp",
     "UnshardHandle": "raggedfsdp.fsdp",
     "fully_shard": "raggedfsdp.fsdp",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable
 
 import torch
@@ -14,6 +15,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPo
 from torch.distributed.tensor import Shard
 
 from raggedfsdp.fsdp._buffers import buffer_of
+from raggedfsdp.fsdp._fp8 import Float8BlockAllGather, check_master_dtype
 from raggedfsdp.fsdp._group_set import GroupSet
 from raggedfsdp.fsdp._param_group import ParamGroup, ParamRef, group_specs
 from raggedfsdp.fsdp._policy import BlockPolicy, BlockRows, MixedPrecisionPolicy
@@ -21,6 +23,7 @@ from raggedfsdp.fsdp._state import FSDPState, resolve_reshard_after_forward, sta
 from raggedfsdp.planner import (
     DEFAULT_ALIGNMENT_BYTES,
     DEFAULT_MAX_BUFFERS,
+    BufferLayout,
     plan_buffers,
 )
 
@@ -284,24 +287,62 @@ def _new_group(
     """The group of one ``fully_shard`` call: one ``ParamGroup``, or a ``GroupSet`` of one
     per buffer where the planner splits it (see [Note: multi-buffer groups])."""
     specs, dtype = group_specs(refs, originals, mesh, block_policy)
-    plan = plan_buffers(
-        specs,
-        mesh.size(mesh.ndim - 1),
-        max_buffers=max_buffers,
-        alpha_bytes=alpha,
-        dtype=dtype,
-        alignment_bytes=alignment_bytes,
-    )
-    if len(plan.layouts) == 1:
-        return ParamGroup(refs, originals, mesh, mp_policy, plan.layouts[0], **kw)
+    fp8 = mp_policy.all_gather
+    selected = _fp8_selected(refs, specs, dtype, fp8, kw) if fp8 is not None else set()
+    if selected:  # see [Note: FP8 all-gather]: selected tensors plan apart from the rest
+        specs = [
+            dataclasses.replace(s, block_rows=fp8.block_rows_for(s.name, s.shape, s.block_rows))
+            if i in selected
+            else s
+            for i, s in enumerate(specs)
+        ]
+    layouts: list[tuple[BufferLayout, Float8BlockAllGather | None]] = []
+    for part, how in ((selected, fp8), (set(range(len(specs))) - selected, None)):
+        if part:
+            plan = plan_buffers(
+                [s for i, s in enumerate(specs) if i in part],
+                mesh.size(mesh.ndim - 1),
+                max_buffers=max_buffers,
+                alpha_bytes=alpha,
+                dtype=dtype,
+                alignment_bytes=alignment_bytes,
+            )
+            layouts += [(layout, how) for layout in plan.layouts]
+    if len(layouts) == 1:
+        return ParamGroup(refs, originals, mesh, mp_policy, layouts[0][0], fp8=layouts[0][1], **kw)
     index = {ref.fqn: i for i, ref in enumerate(refs)}
     groups = []
-    for k, layout in enumerate(plan.layouts):
+    for k, (layout, how) in enumerate(layouts):
         mine = sorted(index[t.name] for t in layout.tensors)  # module order
-        sub = {**kw, "name": f"{kw['name']}[buffer {k}]"}
+        sub = {**kw, "name": f"{kw['name']}[buffer {k}]", "fp8": how}
         parts = ([refs[i] for i in mine], [originals[i] for i in mine])
         groups.append(ParamGroup(*parts, mesh, mp_policy, layout, **sub))
     return GroupSet(groups, kw["name"])
+
+
+def _fp8_selected(refs, specs, dtype, fp8: Float8BlockAllGather, kw) -> set[int]:
+    """Indices of the parameters an FP8 all-gather gathers (see [Note: FP8 all-gather]).
+
+    Raises:
+        NotImplementedError: FP8 with tensor parallelism or CPU offload (not yet).
+        ValueError: a master dtype without an FP8 path.
+    """
+    if kw.get("offload"):
+        raise NotImplementedError(
+            "fully_shard: FP8 all-gather (MixedPrecisionPolicy.all_gather) with CPU offload "
+            "is not supported yet; drop one of them"
+        )
+    tp = [ref.fqn for ref in refs if ref.tp is not None]
+    if tp:
+        raise NotImplementedError(
+            f"fully_shard: FP8 all-gather (MixedPrecisionPolicy.all_gather) on a tensor-"
+            f"parallel mesh dimension is not supported yet (parameters {tp[:3]}...); use it on "
+            "FSDP or HSDP meshes, or leave all_gather unset for this module"
+        )
+    chosen = {i for i, s in enumerate(specs) if fp8.selects(s.shape)}
+    if chosen:
+        check_master_dtype(specs[min(chosen)].name, dtype)
+    return chosen
 
 
 class UnshardHandle:

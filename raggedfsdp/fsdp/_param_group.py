@@ -17,6 +17,7 @@ from raggedfsdp._collectives import all_gather_single
 from raggedfsdp.dbuffer import DBuffer
 from raggedfsdp.fsdp._buffers import OWNER_ATTR, BufferView
 from raggedfsdp.fsdp._device import new_group_like, streams_for
+from raggedfsdp.fsdp._fp8 import Float8BlockAllGather, Fp8Layout
 from raggedfsdp.fsdp._policy import MixedPrecisionPolicy, resolve_block_rows
 from raggedfsdp.fsdp._state import PostForwardGroup
 from raggedfsdp.fsdp._tp import TPSpec, tp_spec_of
@@ -57,6 +58,7 @@ class PendingGather(NamedTuple):
     work: dist.Work
     version: int  # version counter of the global storage before the gather (see [Note])
     input: torch.Tensor  # 1D: the shard, its cast, or the post-forward piece; alive until wait
+    received: torch.Tensor | None = None  # FP8: the gathered codes and scales (1D uint8)
 
 
 class PendingReduce(NamedTuple):
@@ -156,6 +158,8 @@ class ParamGroup:
         pin_memory: pin the offloaded shard storages (with an accelerator).
         grads_in_params: write each gradient over its unsharded parameter (see [Note:
             gradients in place]); False: a global gradient storage of its own.
+        fp8: gather this buffer (every tensor in it selected) as FP8 codes and tile
+            scales: see [Note: FP8 all-gather] in ``_fp8.py``. Default None.
 
     [Note: CPU offload]
     The shard and shard gradient storages (the sharded parameters, their ``.grad``s,
@@ -177,6 +181,7 @@ class ParamGroup:
         offload: bool = False,
         pin_memory: bool = True,
         grads_in_params: bool = True,
+        fp8: Float8BlockAllGather | None = None,
     ):
         self.refs: list[ParamRef] = refs
         self.view = BufferView(self)  # the public handle (raggedfsdp.fsdp.buffers_of)
@@ -213,6 +218,7 @@ class ParamGroup:
         if sorted(t.name for t in layout.tensors) != sorted(r.fqn for r in refs):
             raise AssertionError(f"fully_shard group {self.name}: its layout holds other tensors")
         self.layout = layout
+        self.fp8 = None if fp8 is None else Fp8Layout(layout, fp8)
         self.dbuf = self._new_dbuf(shard_device)
         for ref, p in zip(refs, originals):
             ref.placement = RaggedShard.from_layout(self.layout, ref.fqn)
@@ -331,9 +337,17 @@ class ParamGroup:
                 out, inp = self.dbuf.global_params.alloc(), self._post_forward_piece
                 pg = self.post_forward_group.process_group
                 work = all_gather_single(out, inp, group=pg, async_op=True)
+            elif self.fp8 is not None:  # see [Note: FP8 all-gather]
+                inp = self.fp8.quantize(self.dbuf.shard, self.rank)
+                received = torch.empty(
+                    self.world * inp.numel(), dtype=torch.uint8, device=self.device
+                )
+                work = all_gather_single(received, inp, group=self.process_group, async_op=True)
+                self._gather = PendingGather(work, version, inp, received)
             else:
                 work, inp = self.dbuf.all_gather(self.process_group, async_op=True)
-        self._gather = PendingGather(work, version, inp)
+        if self._gather is None:
+            self._gather = PendingGather(work, version, inp)
         if not async_op:
             self.wait_for_unshard()
 
@@ -344,6 +358,8 @@ class ParamGroup:
             return
         gather, self._gather = self._gather, None
         gather.work.wait()
+        if gather.received is not None:  # FP8: decode into the compute-dtype storage
+            self.fp8.dequantize(gather.received, self.dbuf.global_params.alloc())
         torch._C._autograd._unsafe_set_version_counter(
             (self.dbuf.global_params.tensor,), (gather.version,)
         )  # see [Note: version counter]

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from raggedfsdp.fsdp._fp8 import Float8BlockAllGather
 from raggedfsdp.planner import WHOLE
 
 BlockRows = Union[int, Literal["whole"]]  # noqa: UP007 (a runtime alias)
@@ -27,14 +28,24 @@ class MixedPrecisionPolicy:
             unchanged.
         cast_forward_inputs: cast floating-point forward inputs to ``param_dtype``.
             Default True.
+        all_gather: ``Float8BlockAllGather(tile=...)`` gathers the matrices it selects
+            as FP8 codes with per-tile scales, dequantized into ``param_dtype`` (see
+            [Note: FP8 all-gather] in ``_fp8.py``). Default None: every parameter
+            gathers in ``param_dtype``. raggedfsdp only (torch's policy has no such field).
     """
 
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
     output_dtype: torch.dtype | None = None
     cast_forward_inputs: bool = True
+    all_gather: Float8BlockAllGather | None = None
 
     def __post_init__(self) -> None:
+        if self.all_gather is not None and not isinstance(self.all_gather, Float8BlockAllGather):
+            raise ValueError(
+                "MixedPrecisionPolicy: all_gather must be a Float8BlockAllGather or None, got "
+                f"{self.all_gather!r}"
+            )
         for field in ("param_dtype", "reduce_dtype", "output_dtype"):
             value = getattr(self, field)
             if value is not None and not (
