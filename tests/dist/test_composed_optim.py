@@ -35,6 +35,7 @@ from tests.dist import test_ep as tep
 from tests.dist import test_muon as tm
 from tests.dist import test_tp as ttp
 from tests.dist.test_hsdp_optim import muon_reference_losses
+from tests.dist.test_multi_buffer import given_grads_run
 from tests.harness import run_cases, spawn
 
 WORLD, LOSS_TOL = 4, 1e-5
@@ -128,21 +129,9 @@ def _8bit_config(name):
 
 
 def _8bit_reference(name):
-    """One process's AdamW8bit given random gradients: per-step gradients and states,
-    and the final parameters (full tensors, by name)."""
+    """One process's AdamW8bit given random gradients (``given_grads_run``)."""
     model = Transformer(_8bit_config(name), max_seq_len=ttp.SEQ, seed=0)
-    opt, params = _adamw8bit(model), dict(model.named_parameters())
-    grads, states = [], []
-    gen = torch.Generator().manual_seed(3)
-    for _ in range(ADAM8_STEPS):
-        for p in params.values():
-            p.grad = torch.randn(p.shape, generator=gen)
-        grads.append({n: p.grad.clone() for n, p in params.items()})
-        opt.step()
-        states.append(
-            {n: {k: v.clone() for k, v in opt.state[p].items()} for n, p in params.items()}
-        )
-    return grads, states, {n: p.detach().clone() for n, p in params.items()}
+    return given_grads_run(model, _adamw8bit(model), ADAM8_STEPS, seed=3)
 
 
 def _check_8bit_tp(name, ref):

@@ -120,13 +120,17 @@ def _piece(full: torch.Tensor, like: DTensor) -> torch.Tensor:
 
 
 def _given_grads_reference(name, opt_name):
+    model = _model(name, None, opt_name)
+    return given_grads_run(model, _optimizer(model, opt_name), GIVEN_STEPS, seed=5)
+
+
+def given_grads_run(model, opt, steps: int, seed: int):
     """One process's optimizer given random gradients: per-step gradients and states,
     and the final parameters (full tensors, by name)."""
-    model = _model(name, None, opt_name)
-    opt, params = _optimizer(model, opt_name), dict(model.named_parameters())
+    params = dict(model.named_parameters())
     grads, states = [], []
-    gen = torch.Generator().manual_seed(5)
-    for _ in range(GIVEN_STEPS):
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
         for p in params.values():
             p.grad = torch.randn(p.shape, generator=gen)
         grads.append({n: p.grad.clone() for n, p in params.items()})
