@@ -269,5 +269,11 @@ def _references() -> dict:
 
 @pytest.mark.parametrize("world", [3, 4])
 def test_multi_buffer_groups(world):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny models: one thread is faster (the same bits either way)
+    try:
+        refs = _references()
+    finally:
+        torch.set_num_threads(threads)
     with tempfile.TemporaryDirectory() as root:
-        spawn(world, _grid, _references(), root, timeout=600)
+        spawn(world, _grid, refs, root, timeout=600)
