@@ -418,6 +418,13 @@ def main(argv=None) -> None:
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--shard-world", type=int, default=16384)
     p.add_argument("--shard-models", nargs="*", default=None, help="default: --models")
+    p.add_argument(
+        "--shard-systems",
+        nargs="+",
+        choices=SYSTEMS,
+        default=list(SYSTEMS),
+        help="whose fully_shard to time (FSDP2's takes minutes at 16,384 ranks)",
+    )
     p.add_argument("--raw", type=Path, default=Path("/tmp/raggedfsdp_scale.jsonl"))
     p.add_argument("--out", type=Path, default=RESULTS / "scale.md")
     p.add_argument(
@@ -440,7 +447,7 @@ def main(argv=None) -> None:
     done = run_all(args)
     shard_times = []
     for model in args.models if args.shard_models is None else args.shard_models:
-        for system in SYSTEMS:
+        for system in args.shard_systems:
             try:
                 shard_times.append(time_fully_shard(model, args.shard_world, system))
             except Exception as e:
