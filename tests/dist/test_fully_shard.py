@@ -55,11 +55,19 @@ def _optimizer(name, params):
 
 @functools.cache
 def _reference(model_name: str, optim: str, accumulate: int = 1, steps: int = STEPS):
-    """Single-process losses per step and final parameters."""
-    model = Transformer(get_config(model_name), max_seq_len=SEQ, seed=0)
-    return _train(model, optim, 0, 1, steps=steps, accumulate=accumulate, sync=False), {
-        k: v.detach().clone() for k, v in model.named_parameters()
-    }
+    """Single-process losses per step and final parameters.
+
+    On one thread, as the ranks run: on tiny models more threads only contend, and on
+    a busy 2-core machine they wait for each other (60-110 s instead of 2 s measured).
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = Transformer(get_config(model_name), max_seq_len=SEQ, seed=0)
+        losses = _train(model, optim, 0, 1, steps=steps, accumulate=accumulate, sync=False)
+    finally:
+        torch.set_num_threads(threads)
+    return losses, {k: v.detach().clone() for k, v in model.named_parameters()}
 
 
 def _build(model_name, mesh, *, raf=None, meta=False, mp=None):
