@@ -15,6 +15,7 @@ result or its error is recorded. Writes ``benchmarks/results/fp8.md`` and ``fp8.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import time
@@ -55,17 +56,15 @@ def _rank_main(rank: int, world: int, save, args) -> None:
                 data, seed=args.seed, step=step, batch_size=args.batch, seq_len=args.seq,
                 rank=rank, world_size=world,
             )  # fmt: skip
-            counter = CommCounter() if step == 1 else None
+            counted = step == 1  # one step's collectives
             dist.barrier()
             t0 = time.perf_counter()
-            if counter is not None:
-                counter.__enter__()
-            loss = lm_loss(model(x), y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            if counter is not None:
-                counter.__exit__(None, None, None)
+            with CommCounter() if counted else contextlib.nullcontext() as counter:
+                loss = lm_loss(model(x), y)
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+            if counted:
                 comm = {k: list(v) for k, v in counter.summary().items()}
             dist.barrier()
             times.append(time.perf_counter() - t0)

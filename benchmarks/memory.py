@@ -52,7 +52,7 @@ def _rank_main(rank: int, world: int, save, args) -> None:
             run = Run(system, model, cfg, rank, world, data)
             run.step()  # warm-up: optimizer states exist, prefetch order recorded
             run.step_index = 0  # the measured step sees the same batch in both systems
-            memory, groups = memory_step(run)
+            memory, _ = memory_step(run)
             peaks[system] = memory["Total"]
             at_peak[system] = {k: v for k, v in memory.items() if k != "Total"}
             del run

@@ -291,7 +291,7 @@ def _new_group(
     selected = _fp8_selected(refs, specs, dtype, fp8, kw) if fp8 is not None else set()
     if selected:  # see [Note: FP8 all-gather]: selected tensors plan apart from the rest
         specs = [
-            dataclasses.replace(s, block_rows=fp8.block_rows_for(s.name, s.shape, s.block_rows))
+            dataclasses.replace(s, block_rows=fp8.block_rows_for(s.block_rows))
             if i in selected
             else s
             for i, s in enumerate(specs)

@@ -20,8 +20,9 @@ from the rest, which gather in the compute dtype). Per such buffer and all-gathe
   compute dtype) straight into the global parameter storage, the unsharded
   parameters' views as before.
 
-The quantize writes the send buffer and the dequantize reads the receive buffer: one
-cast each way, as a ``param_dtype`` cast is. Backward is unchanged (gradients are
+The quantize writes the send buffer and the dequantize reads the receive buffer: the
+one cast each way, as a ``param_dtype`` cast is, run as one kernel per piece (a rank's
+whole tiles of one parameter), not yet one per buffer. Backward is unchanged (gradients are
 written over the dequantized parameters and reduce-scattered in ``reduce_dtype``);
 optimizers step the master weights; checkpoints hold master weights only.
 
@@ -39,6 +40,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -83,44 +85,23 @@ class Float8BlockAllGather:
             return False
         return shape[-2] % tr == 0 and shape[-1] % tc == 0
 
-    def block_rows_for(self, fqn: str, shape: tuple[int, ...], rows) -> int | str:
-        """The block rows of a selected parameter: ``rows`` (its block policy's) raised to
-        a multiple of the tile's rows.
-
-        Raises:
-            ValueError: that multiple does not divide the parameter's rows (per member),
-                so some plan would cut a tile; names the parameter and the rows.
-        """
-        if rows == WHOLE:
-            return rows
-        tr = self.tile[0]
-        per_member = shape[-2]
-        blocks = math.lcm(int(rows), tr)
-        if per_member % blocks:
-            raise ValueError(
-                f"fully_shard: FP8 all-gather of {fqn!r} (shape {tuple(shape)}): its block "
-                f"policy asks for {rows}-row blocks and its {tr}-row tiles need whole tiles "
-                f"per block, so blocks of {blocks} rows, which do not divide its {per_member} "
-                f"rows{' per member' if len(shape) == 3 else ''}: a plan would cut a tile. "
-                f"Pass a block policy whose rows for it divide {per_member} and combine with "
-                f"{tr} (e.g. {tr}), or a tile that fits"
-            )
-        return blocks
+    def block_rows_for(self, rows: int | str) -> int | str:
+        """The block rows of a selected parameter: ``rows`` (its block policy's, already
+        checked to divide its rows per member) raised to the least multiple of the tile's
+        rows. Both divide the rows per member (``selects``), so their lcm does too: no
+        plan can cut a tile, and no user policy is refused for it."""
+        return rows if rows == WHOLE else math.lcm(int(rows), self.tile[0])
 
 
-class _Piece:
+class _Piece(NamedTuple):
     """Whole tiles of one parameter held by one rank."""
 
-    __slots__ = ("start", "stop", "cols", "tile_rows", "scale_at")
-
-    def __init__(self, start: int, stop: int, cols: int, tile_rows: int, scale_at: int):
-        self.start, self.stop = start, stop  # element range in the rank's shard
-        self.cols, self.tile_rows = cols, tile_rows
-        self.scale_at = scale_at  # index of its first tile's scale in the rank's scales
-
-    def tiles(self, tile_cols: int) -> tuple[int, int]:
-        rows = (self.stop - self.start) // self.cols
-        return rows // self.tile_rows, self.cols // tile_cols
+    start: int  # element range in the rank's shard
+    stop: int
+    cols: int
+    scale_at: int  # index of its first tile's scale in the rank's scales
+    row_tiles: int
+    col_tiles: int
 
 
 class Fp8Layout:
@@ -138,8 +119,8 @@ class Fp8Layout:
     def __init__(self, layout: BufferLayout, policy: Float8BlockAllGather):
         self.layout, self.tile = layout, policy.tile
         tr, tc = self.tile
-        S = layout.shard_size
         self.pieces: list[list[_Piece]] = []
+        scales = []  # tiles per rank
         for rank in range(layout.world_size):
             mine, at = [], 0
             for t in sorted(layout.tensors, key=lambda t: t.offset):
@@ -149,54 +130,50 @@ class Fp8Layout:
                 start, stop = layout.shard_range(t.name, rank)
                 cols = t.shape[-1]
                 rows = (hi - lo) // cols
-                member_rows = t.shape[-2]
-                if (hi - lo) % cols or rows % tr or (lo // cols) % member_rows % tr:
+                if (hi - lo) % cols or rows % tr or (lo // cols) % t.shape[-2] % tr:
                     raise AssertionError(
                         f"FP8 all-gather: rank {rank}'s piece of {t.name!r} (elements "
                         f"[{lo}, {hi})) is not whole {tr}x{tc} tiles"
                     )
-                mine.append(_Piece(start, stop, cols, tr, at))
+                mine.append(_Piece(start, stop, cols, at, rows // tr, cols // tc))
                 at += (rows // tr) * (cols // tc)
             self.pieces.append(mine)
-        self.scales_per_rank = max((sum(_n(p, tc) for p in ps) for ps in self.pieces), default=0)
-        self.send_bytes = S + 4 * self.scales_per_rank  # codes, then fp32 scales
+            scales.append(at)
+        self.scales_per_rank = max(scales, default=0)
+        self.send_bytes = layout.shard_size + 4 * self.scales_per_rank  # codes, fp32 scales
 
     # ---- the send side -------------------------------------------------------------------
     def quantize(self, shard: torch.Tensor, rank: int) -> torch.Tensor:
         """This rank's send buffer (1D uint8, ``send_bytes``): its codes, then its scales."""
-        S, tc = self.layout.shard_size, self.tile[1]
+        S = self.layout.shard_size
         send = torch.zeros(self.send_bytes, dtype=torch.uint8, device=shard.device)
         codes = send[:S].view(FP8_DTYPE)
         scales = send[S:].view(torch.float32)
+        tr, tc = self.tile
         for p in self.pieces[rank]:
-            nb, nc = p.tiles(tc)
-            x = shard[p.start : p.stop].view(nb, p.tile_rows, nc, tc).float()
+            nb, nc = p.row_tiles, p.col_tiles
+            x = shard[p.start : p.stop].view(nb, tr, nc, tc).float()
             scale = tile_scales(x)
             scales[p.scale_at : p.scale_at + nb * nc].copy_(scale.view(-1))
-            codes[p.start : p.stop].view(nb, p.tile_rows, nc, tc).copy_(encode(x, scale))
+            codes[p.start : p.stop].view(nb, tr, nc, tc).copy_(encode(x, scale))
         return send
 
     # ---- the receive side ----------------------------------------------------------------
     def dequantize(self, received: torch.Tensor, out: torch.Tensor) -> None:
         """Decode every rank's pieces of ``received`` (1D uint8, ``m * send_bytes``) into
         ``out`` (the global parameter storage, 1D ``m * S``, the compute dtype)."""
-        S, tc, P = self.layout.shard_size, self.tile[1], self.send_bytes
+        S, P, (tr, tc) = self.layout.shard_size, self.send_bytes, self.tile
         for rank, pieces in enumerate(self.pieces):
             chunk = received[rank * P : (rank + 1) * P]
             codes = chunk[:S].view(FP8_DTYPE)
             scales = chunk[S:].view(torch.float32)
             base = rank * S
             for p in pieces:
-                nb, nc = p.tiles(tc)
-                c = codes[p.start : p.stop].view(nb, p.tile_rows, nc, tc)
+                nb, nc = p.row_tiles, p.col_tiles
+                c = codes[p.start : p.stop].view(nb, tr, nc, tc)
                 s = scales[p.scale_at : p.scale_at + nb * nc].view(nb, 1, nc, 1)
-                dst = out[base + p.start : base + p.stop].view(nb, p.tile_rows, nc, tc)
+                dst = out[base + p.start : base + p.stop].view(nb, tr, nc, tc)
                 dst.copy_(decode(c, s))
-
-
-def _n(p: _Piece, tc: int) -> int:
-    nb, nc = p.tiles(tc)
-    return nb * nc
 
 
 def tile_scales(x: torch.Tensor) -> torch.Tensor:

@@ -332,6 +332,7 @@ class ParamGroup:
         # bump their version counter. gloo writes the output on its own thread (the bump
         # can land any time before wait()), so the version is restored after the wait.
         version = self.dbuf.global_params.tensor._version
+        received = None  # FP8: the gathered codes and scales
         with self.streams.gathering():  # see [Note: streams]
             if self.state is ShardedState.SHARDED_POST_FORWARD:  # a smaller gather
                 out, inp = self.dbuf.global_params.alloc(), self._post_forward_piece
@@ -343,11 +344,9 @@ class ParamGroup:
                     self.world * inp.numel(), dtype=torch.uint8, device=self.device
                 )
                 work = all_gather_single(received, inp, group=self.process_group, async_op=True)
-                self._gather = PendingGather(work, version, inp, received)
             else:
                 work, inp = self.dbuf.all_gather(self.process_group, async_op=True)
-        if self._gather is None:
-            self._gather = PendingGather(work, version, inp)
+        self._gather = PendingGather(work, version, inp, received)
         if not async_op:
             self.wait_for_unshard()
 

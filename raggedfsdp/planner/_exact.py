@@ -26,10 +26,11 @@ from collections.abc import Iterable
 from typing import Any
 
 from raggedfsdp.planner._layout import BufferLayout, TensorPlacement
+from raggedfsdp.planner._multi import DEFAULT_ALPHA_BYTES_PER_RANK
 from raggedfsdp.planner._plan import DEFAULT_ALIGNMENT_BYTES, _check_world, alignment_elems
 from raggedfsdp.planner._plan import plan_buffer as _plan_buffer
 from raggedfsdp.planner._search import lower_bound_shard_size
-from raggedfsdp.planner._spec import TensorSpec
+from raggedfsdp.planner._spec import TensorSpec, dtype_name_and_itemsize
 
 _MAX_BINARIES = 20_000
 
@@ -200,9 +201,6 @@ def plan_buffers_exact(
         ValueError: more than 10 tensors, a bad ``max_buffers`` / ``alpha_bytes``, or what
             ``plan_exact`` raises.
     """
-    from raggedfsdp.planner._multi import DEFAULT_ALPHA_BYTES_PER_RANK
-    from raggedfsdp.planner._spec import dtype_name_and_itemsize
-
     specs = list(tensors)
     m = _check_world(world_size)
     if len(specs) > 10:

@@ -8,8 +8,10 @@
 - Bytes (CommCounter): a model whose matrices are whole 32x32 tiles all-gathers at most
   0.52x the bytes of its bf16 all-gather (codes plus scales), its reduce-scatter bytes
   unchanged; each FP8 buffer moves exactly ``m * (S + 4 T)`` bytes.
-- Clear errors: a block policy whose blocks would cut a tile (naming the parameter and
-  its rows), a master dtype without an FP8 path, FP8 beside tensor parallelism, a bad
+- Block policies are raised to whole tiles (the lcm; a plan never cuts a tile): a
+  12-row policy on 48-row members with 16-row tiles plans 48-row blocks and gathers
+  exactly.
+- Clear errors: a master dtype without an FP8 path, FP8 beside tensor parallelism, a bad
   tile.
 """
 
@@ -154,7 +156,7 @@ def _check_bytes(rank, world):
         stats[fp8] = comms.summary()
         if fp8:  # each buffer's all-gather, by hand: FP8 buffers m (S + 4T) bytes
             bufs = buffers_of(model)
-            root = {id(b) for b in buffers_of(model) if b in _root_views(model)}
+            root = {id(b) for b in _root_views(model)}
             expected = 0
             for b in bufs:
                 group = b._group
@@ -172,6 +174,29 @@ def _root_views(model):
     return [b for b in buffers_of(model) if id(b) not in inner]
 
 
+class _Stack(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        gen = torch.Generator().manual_seed(4)
+        self.w = torch.nn.Parameter(torch.randn(4, 48, 64, generator=gen))
+
+
+def _check_blocks_raised_to_tiles(rank, world):
+    """A block policy of 12 rows on a stack of 48-row members, 16-row tiles: fully_shard
+    plans 48-row blocks (the lcm: both divide the member's rows, so no plan can cut a
+    tile), and every rank gathers the one-process quantize-dequantize."""
+    mesh = init_device_mesh("cpu", (world,))
+    module = _Stack()
+    master = module.w.detach().clone()
+    policy = MixedPrecisionPolicy(all_gather=Float8BlockAllGather(tile=(16, 32)))
+    fully_shard(module, mesh=mesh, mp_policy=policy, block_policy=lambda fqn, p: 12)
+    (view,) = buffers_of(module)
+    assert view._group.fp8 is not None and view.layout["w"].block_rows == 48
+    module.unshard()
+    assert torch.equal(module.w.detach(), _qdq(master, (16, 32)))
+    module.reshard()
+
+
 def _check_errors(rank, world):
     mesh = init_device_mesh("cpu", (world,))
     with pytest.raises(ValueError, match=r"tile must be a tuple of two positive ints"):
@@ -179,15 +204,6 @@ def _check_errors(rank, world):
     with pytest.raises(ValueError, match=r"all_gather must be a Float8BlockAllGather"):
         MixedPrecisionPolicy(all_gather="fp8")
     policy = MixedPrecisionPolicy(all_gather=Float8BlockAllGather(tile=(16, 32)))
-    # fully_shard raises a block policy to whole tiles (the lcm); where that multiple
-    # does not divide a member's rows, a plan would cut a tile: named, before any change
-    with pytest.raises(
-        ValueError,
-        match=r"FP8 all-gather of 'w' \(shape \(4, 40, 64\)\): its block policy asks for "
-        r"10-row blocks and its 16-row tiles need whole tiles per block, so blocks of 80 "
-        r"rows, which do not divide its 40 rows per member",
-    ):
-        policy.all_gather.block_rows_for("w", (4, 40, 64), 10)
     with pytest.raises(ValueError, match=r"FP8 all-gather of 'weight': its dtype torch.float64"):
         fully_shard(torch.nn.Linear(64, 48).double(), mesh=mesh, mp_policy=policy)
     # FP8 beside tensor parallelism: refused, the model left as it was
@@ -208,6 +224,7 @@ def _grid(rank, world, refs):
     if world == 4:
         cases["bytes"] = partial(_check_bytes, rank, world)
         cases["errors"] = partial(_check_errors, rank, world)
+        cases["blocks raised to tiles"] = partial(_check_blocks_raised_to_tiles, rank, world)
     run_cases(cases)
 
 
