@@ -19,6 +19,14 @@ set ``RAGGEDFSDP_UNTESTED_TORCH=1``; results are in ``benchmarks/results/gpu.md`
    faked, so the streams, events and allocations are the device's own. The table
    gives the peak allocated memory per rank and whether the step ran.
 
+3. **FP8 all-gather on the device.** raggedfsdp with
+   ``Float8BlockAllGather(tile=(128, 128))`` (param bf16) trains the model at world 1:
+   the quantize, the uint8 all-gather and the dequantize run on the device. Then one
+   weight's gathered codes and 128 x 128 tile scales (``BufferView.fp8.piece``) feed
+   ``torch._scaled_mm`` directly, with activations quantized in 1 x 128 tiles, and its
+   output is compared with the same GEMM on the dequantized operands; where this torch
+   or device has no block-scaled ``_scaled_mm``, its error is the row's status.
+
 Each system runs in its own child process, so peak-memory figures never mix.
 """
 
@@ -88,7 +96,14 @@ def _child(system: str, part: str, device_type: str, steps: int, seq: int, batch
     cfg = _config()
     with torch.device(device):
         model = Transformer(cfg, max_seq_len=seq, seed=0)
-    if system != "reference":
+    if system == "fp8":
+        from raggedfsdp import Float8BlockAllGather, MixedPrecisionPolicy
+
+        fp8 = Float8BlockAllGather(tile=(128, 128))
+        shard(
+            model, mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, all_gather=fp8)
+        )
+    elif system != "reference":
         shard(model, mesh, system)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
     if system == "raggedfsdp":
@@ -121,6 +136,7 @@ def _child(system: str, part: str, device_type: str, steps: int, seq: int, batch
         prof.__exit__(None, None, None)
         _write_profile(prof, os.path.join(profile_dir, f"{system}.txt"), device)
     out = {
+        "scaled_mm": _scaled_mm_check(model, device) if system == "fp8" else None,
         "losses": losses,
         "step_s": statistics.median(times[1:] or times),  # the first step warms up
         "peak_reserved": _peak("reserved"),
@@ -128,6 +144,38 @@ def _child(system: str, part: str, device_type: str, steps: int, seq: int, batch
     }
     dist.destroy_process_group()
     return out
+
+
+def _scaled_mm_check(model, device) -> str:
+    """One gathered weight's codes and tile scales straight into ``torch._scaled_mm``."""
+    import torch
+
+    from raggedfsdp.fsdp import buffers_of
+
+    view = next(b for b in buffers_of(model) if b.fp8 is not None)
+    name = next(p.fqn for p in view.params if p.stop > p.start)
+    send = view.fp8.quantize(view.shard, 0)  # world 1: rank 0's chunk is the whole gather
+    w_codes, w_scales = view.fp8.piece(send, 0, name)  # [N, K], [N / 128, K / 128]
+    n, k = w_codes.shape
+    gen = torch.Generator(device="cpu").manual_seed(2)
+    x = torch.randn(256, k, generator=gen).to(device)
+    tiles = x.view(256, k // 128, 128)
+    x_scales = (tiles.abs().amax(-1) / 448).clamp(min=1e-12)  # [M, K / 128], 1 x 128 tiles
+    x_codes = (tiles / x_scales.unsqueeze(-1)).to(torch.float8_e4m3fn).view(256, k)
+    w = w_codes.float().view(n // 128, 128, k // 128, 128) * w_scales.view(n // 128, 1, -1, 1)
+    want = (x_codes.float().view_as(tiles) * x_scales.unsqueeze(-1)).view(256, k) @ w.view(n, k).t()
+    try:
+        got = torch._scaled_mm(
+            x_codes,
+            w_codes.t(),  # column-major [K, N]
+            scale_a=x_scales.t().contiguous().t(),  # outer-dim-major, as block scaling wants
+            scale_b=w_scales.t(),
+            out_dtype=torch.float32,
+        )
+    except Exception as e:
+        return f"no block-scaled _scaled_mm: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
+    err = ((got - want).norm() / want.norm()).item()
+    return f"{name}: _scaled_mm on the gathered codes, relative error {err:.1e} vs dequantized"
 
 
 def _profiler(device):
@@ -186,6 +234,7 @@ def main() -> None:
         return
     nccl = {s: _run(s, "nccl", args) for s in SYSTEMS}
     fake = {s: _run(s, "fake8", args) for s in SYSTEMS if s != "reference"}
+    fp8 = _run("fp8", "nccl", args)
     ref = nccl["reference"].get("losses")
     print(f"# gpu_check: {args.device}, model {MODEL}, seq {args.seq}, batch {args.batch}\n")
     print("| system | part | max loss diff vs reference | step (ms) | vs FSDP2 | peak reserved"
@@ -208,6 +257,14 @@ def main() -> None:
                 f"{1e3 * r['step_s']:.1f} | {ratio} | {_mib(r['peak_reserved'])} | "
                 f"{_mib(r['peak_allocated'])} | ok |"
             )
+    if "error" in fp8:
+        print(f"\nFP8 all-gather (128 x 128 tiles), world 1: {fp8['error'][:200]}")
+    else:
+        print(
+            f"\nFP8 all-gather (128 x 128 tiles), world 1: {len(fp8['losses'])} steps, final "
+            f"loss {fp8['losses'][-1]:.4f} (bf16 reference {ref[-1] if ref else 'n/a'}), "
+            f"{1e3 * fp8['step_s']:.1f} ms/step; {fp8['scaled_mm']}"
+        )
 
 
 if __name__ == "__main__":

@@ -305,7 +305,9 @@ def _new_group(
                 max_buffers=max_buffers,
                 alpha_bytes=alpha,
                 dtype=dtype,
-                alignment_bytes=alignment_bytes,
+                alignment_bytes=alignment_bytes
+                if how is None
+                else how.alignment_bytes(alignment_bytes, dtype),
             )
             layouts += [(layout, how) for layout in plan.layouts]
     if len(layouts) == 1:

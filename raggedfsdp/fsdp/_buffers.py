@@ -125,6 +125,12 @@ class BufferView:
         """The dtype of the unsharded parameters and gradients (``param_dtype``)."""
         return self._group.compute_dtype
 
+    @property
+    def fp8(self):
+        """The buffer's ``Fp8Layout`` when it gathers in FP8 (its tile, scale dtype, where
+        each rank's scales lie in the all-gather: [Note: FP8 all-gather]), else None."""
+        return self._group.fp8
+
     # ---- storages -------------------------------------------------------------------------
     @property
     def shard(self) -> torch.Tensor:

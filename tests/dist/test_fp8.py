@@ -2,12 +2,19 @@
 
 - Exactness: both catalogue models (fp32 compute) give, step after step, the losses of
   one process that applies the same per-tile quantize-dequantize to its weights before
-  each forward (within 1e-6; SGD on the fp32 masters), with 4x32 tiles (and MX-style
-  1x32 ones at 3 ranks); the dequantized unsharded parameters every rank gathers are
-  bit-identical to that process's (so are the codes and scales they decode).
+  each forward (within 1e-6; SGD on the fp32 masters), with 4x32 tiles and fp32 scales
+  (and, at 3 ranks, MX-style 1x32 tiles with fp32 and with E8M0 scales); the dequantized
+  unsharded parameters every rank gathers are bit-identical to that process's (so are
+  the codes and scales they decode).
 - Bytes (CommCounter): a model whose matrices are whole 32x32 tiles all-gathers at most
-  0.52x the bytes of its bf16 all-gather (codes plus scales), its reduce-scatter bytes
-  unchanged; each FP8 buffer moves exactly ``m * (S + 4 T)`` bytes.
+  0.52x the bytes of its bf16 all-gather (codes plus scales), with 32x32 fp32 scales and
+  with MX (1x32, E8M0), its reduce-scatter bytes unchanged; each FP8 buffer moves exactly
+  ``m * send_bytes`` bytes (``S`` of codes, its scales at a 4-byte boundary).
+- Casts, counted: in fp32, the only copy-like ops touching the buffers in a step are
+  the dequantizing casts into FP8 buffers' global storages, one per FP8 all-gather, each
+  matched by one quantizing ``div`` from the shard into the send buffer; and an FP8
+  all-gather runs the same number of ops for every buffer (a block's seven matrices or
+  the root's two), at every world size: kernels per buffer, not per piece.
 - Block policies are raised to whole tiles (the lcm; a plan never cuts a tile): a
   12-row policy on 48-row members with 16-row tiles plans 48-row blocks and gathers
   exactly.
@@ -25,18 +32,21 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, init_device_mesh
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from raggedfsdp import Float8BlockAllGather, MixedPrecisionPolicy, fully_shard
 from raggedfsdp.fsdp import buffers_of
 from raggedfsdp.models import get_config
 from raggedfsdp.models.transformer import Transformer, lm_loss
-from raggedfsdp.profiling import CommCounter
+from raggedfsdp.profiling import COPY_OPS, CommCounter, CopyCounter, buffer_storages, storage_key
 from tests.dist import test_tp as ttp
 from tests.harness import run_cases, spawn
 
 SEQ, STEPS, ROWS = 16, 3, 12  # 12 rows: every rank of 1-4 takes the same count
-CASES = [("llama-tiny", (4, 32)), ("moe-tiny", (4, 32))]  # at every world size
-MX_WORLD = 3  # MX-style 1 x 32 tiles: at 3 ranks
+F32, E8M0 = torch.float32, torch.float8_e8m0fnu
+CASES = [("llama-tiny", (4, 32), F32), ("moe-tiny", (4, 32), F32)]  # at every world size
+MX_WORLD = 3  # MX-style 1 x 32 tiles, fp32 and E8M0 scales: at 3 ranks
+MX_CASES = [("llama-tiny", (1, 32), F32), ("llama-tiny", (1, 32), E8M0)]
 
 
 def _data():
@@ -49,14 +59,20 @@ def _selected(shape, tile) -> bool:
     return len(shape) in (2, 3) and shape[-2] % tile[0] == 0 and shape[-1] % tile[1] == 0
 
 
-def _qdq(w: torch.Tensor, tile) -> torch.Tensor:
-    """Quantize-dequantize tile by tile: scale amax / 448 (1 for a zero tile), codes
-    float8_e4m3fn, decoded in fp32, then cast to ``w``'s dtype."""
+def _qdq(w: torch.Tensor, tile, scale_dtype=F32) -> torch.Tensor:
+    """Quantize-dequantize tile by tile: scale amax / 448 (1 for a zero tile), or for
+    E8M0 the least power of two >= amax / 448; codes float8_e4m3fn, decoded in fp32,
+    then cast to ``w``'s dtype."""
     tr, tc = tile
     rows, cols = w.shape[-2:]
     x = w.detach().float().reshape(-1, rows // tr, tr, cols // tc, tc)  # member, tiles
     amax = x.abs().amax(dim=(2, 4), keepdim=True)
-    scale = torch.where(amax > 0, amax / 448, torch.ones_like(amax))
+    if scale_dtype == F32:
+        scale = torch.where(amax > 0, amax / 448, torch.ones_like(amax))
+    else:  # s = f * 2**e with f in [0.5, 1): 2**(e - 1) when s is a power of two, else 2**e
+        f, e = torch.frexp(amax / 448)
+        scale = torch.ldexp(torch.ones_like(amax), torch.where(f == 0.5, e - 1, e))
+        scale = scale.clamp(min=2.0**-126)  # zero tiles (and tiny ones): E8M0's least normal
     code = (x / scale).clamp(-448, 448).to(torch.float8_e4m3fn)
     return (code.float() * scale).to(w.dtype).reshape(w.shape)
 
@@ -66,7 +82,7 @@ def _model(name):
 
 
 @functools.cache
-def _reference(name, tile, world):
+def _reference(name, tile, scale_dtype, world):
     """Per-step losses, and the names of the parameters gathered in FP8."""
     model = _model(name)
     opt = torch.optim.SGD(model.parameters(), lr=0.3)
@@ -77,7 +93,7 @@ def _reference(name, tile, world):
         masters = [p.detach().clone() for p in chosen]
         with torch.no_grad():
             for p in chosen:
-                p.copy_(_qdq(p, tile))
+                p.copy_(_qdq(p, tile, scale_dtype))
         # each rank's rows apart, as the ranks do (their mean's gradient is the batch's)
         chunks = _data()[step].chunk(world)
         per = [lm_loss(model(rows[:, :-1]), rows[:, 1:]) for rows in chunks]
@@ -91,18 +107,19 @@ def _reference(name, tile, world):
     return losses, {n for n, p in model.named_parameters() if _selected(p.shape, tile)}
 
 
-def _shard(model, mesh, tile, **kw):
-    mp = MixedPrecisionPolicy(all_gather=Float8BlockAllGather(tile=tile), **kw)
+def _shard(model, mesh, tile, scale_dtype=F32, **kw):
+    fp8 = Float8BlockAllGather(tile=tile, scale_dtype=scale_dtype)
+    mp = MixedPrecisionPolicy(all_gather=fp8, **kw)
     for block in model.transformer_blocks():
         fully_shard(block, mesh=mesh, mp_policy=mp)
     return fully_shard(model, mesh=mesh, mp_policy=mp)
 
 
-def _check_exact(name, tile, rank, world, ref):
+def _check_exact(name, tile, scale_dtype, rank, world, ref):
     ref_losses, chosen = ref
     mesh = init_device_mesh("cpu", (world,))
-    model = _shard(_model(name), mesh, tile)
-    assert any(b._group.fp8 is not None for b in buffers_of(model))
+    model = _shard(_model(name), mesh, tile, scale_dtype)
+    assert any(b.fp8 is not None for b in buffers_of(model))
     opt = torch.optim.SGD(model.parameters(), lr=0.3)
     losses = []
     for step in range(STEPS):
@@ -126,9 +143,25 @@ def _check_exact(name, tile, rank, world, ref):
     for fqn, p in model.named_parameters():
         if fqn in chosen:
             assert not isinstance(p, DTensor), fqn  # the gathered (unsharded) parameter
-            assert torch.equal(p.detach(), _qdq(masters[fqn], tile)), fqn
+            assert torch.equal(p.detach(), _qdq(masters[fqn], tile, scale_dtype)), fqn
     for m in modules:
         m.reshard()
+    # each rank's codes and scales, read back as torch._scaled_mm would take them
+    for b in buffers_of(model):
+        if b.fp8 is None:
+            continue
+        send = b.fp8.quantize(b.shard, rank)
+        names = {id(p): n for n, p in model.named_parameters()}
+        for param in b.params:
+            lo, hi = b.layout.local_range(param.fqn, rank)
+            if hi == lo:
+                continue
+            codes, scales = b.fp8.piece(send, rank, param.fqn)
+            tr, tc = tile
+            expand = scales.float().repeat_interleave(tr, 0).repeat_interleave(tc, 1)
+            want = _qdq(masters[names[id(param.param)]], tile, scale_dtype).flatten()[lo:hi]
+            assert torch.equal((codes.float() * expand).flatten(), want), param.fqn
+            assert scales.dtype == scale_dtype, scales.dtype
 
 
 def _config_in_tiles():
@@ -141,11 +174,11 @@ def _check_bytes(rank, world):
     mesh = init_device_mesh("cpu", (world,))
     rows = _data()[0][rank * ROWS // world :][: ROWS // world] % 1024
     stats = {}
-    for fp8 in (False, True):
+    for fp8 in (None, ((32, 32), F32), ((1, 32), E8M0)):
         model = Transformer(_config_in_tiles(), max_seq_len=SEQ, seed=0)
         kw = dict(param_dtype=torch.bfloat16)
         if fp8:
-            _shard(model, mesh, (32, 32), **kw)
+            _shard(model, mesh, *fp8, **kw)
         else:
             mp = MixedPrecisionPolicy(**kw)
             for block in model.transformer_blocks():
@@ -159,13 +192,14 @@ def _check_bytes(rank, world):
             root = {id(b) for b in _root_views(model)}
             expected = 0
             for b in bufs:
-                group = b._group
-                per = group.fp8.send_bytes if group.fp8 is not None else b.layout.shard_size * 2
+                per = b.fp8.send_bytes if b.fp8 is not None else b.layout.shard_size * 2
                 expected += world * per * (1 if id(b) in root else 2)  # forward, backward
             assert stats[fp8]["all_gather"].output_bytes == expected
-    ratio = stats[True]["all_gather"].output_bytes / stats[False]["all_gather"].output_bytes
-    assert ratio <= 0.52, ratio
-    assert stats[True]["reduce_scatter"].input_bytes == stats[False]["reduce_scatter"].input_bytes
+    bf16 = stats.pop(None)
+    for fp8, got in stats.items():
+        ratio = got["all_gather"].output_bytes / bf16["all_gather"].output_bytes
+        assert ratio <= 0.52, (fp8, ratio)
+        assert got["reduce_scatter"].input_bytes == bf16["reduce_scatter"].input_bytes, fp8
 
 
 def _root_views(model):
@@ -191,7 +225,7 @@ def _check_blocks_raised_to_tiles(rank, world):
     policy = MixedPrecisionPolicy(all_gather=Float8BlockAllGather(tile=(16, 32)))
     fully_shard(module, mesh=mesh, mp_policy=policy, block_policy=lambda fqn, p: 12)
     (view,) = buffers_of(module)
-    assert view._group.fp8 is not None and view.layout["w"].block_rows == 48
+    assert view.fp8 is not None and view.layout["w"].block_rows == 48
     module.unshard()
     assert torch.equal(module.w.detach(), _qdq(master, (16, 32)))
     module.reshard()
@@ -217,10 +251,66 @@ def _check_errors(rank, world):
     dist.barrier()
 
 
+class _Ops(TorchDispatchMode):
+    """The aten ops run under it that are not views (nor collectives)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not func.is_view and func.namespace == "aten":
+            self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def _check_casts(rank, world):
+    mesh = init_device_mesh("cpu", (world,))
+    model = _model("llama-tiny")
+    fp8 = MixedPrecisionPolicy(all_gather=Float8BlockAllGather(tile=(4, 32)))
+    for block in model.transformer_blocks():  # groups of 4 matrices and of 3
+        fully_shard(block.attention, mesh=mesh, mp_policy=fp8)
+    _shard(model, mesh, (4, 32))
+    opt = torch.optim.SGD(model.parameters(), lr=0.3)
+    rows = _data()[0][rank * ROWS // world :][: ROWS // world]
+
+    def step():
+        lm_loss(model(rows[:, :-1]), rows[:, 1:]).backward()
+        opt.step()
+        opt.zero_grad()
+
+    step()
+    fp8 = [b for b in buffers_of(model) if b.fp8 is not None]
+    shards = {storage_key(b.shard) for b in fp8}
+    unsharded = {storage_key(b.unsharded) for b in fp8}
+    assert len({len(b.layout.tensors) for b in fp8}) == 2  # 4 and 3 matrices
+    with CopyCounter(ops=COPY_OPS | {"aten::div"}) as copies:
+        step()
+    near = [e for e in copies.touching(buffer_storages(model)) if e.within is None]
+    casts = [e for e in near if e.op == "aten.copy_.default" and e.writes <= unsharded]
+    divs = [e for e in near if e.op == "aten.div.out" and e.reads & shards]
+    assert len(casts) + len(divs) == len(near), copies.summary(near)
+    root = {id(b) for b in _root_views(model)}
+    gathers = sum(1 if id(b) in root else 2 for b in fp8)  # forward, backward
+    assert len(casts) == len(divs) == gathers, (copies.summary(near), gathers)
+    # the ops of an FP8 all-gather do not depend on the tensors or pieces in the buffer
+    counts = {}
+    for block in model.transformer_blocks():
+        for name, m in (("attention", block.attention), ("feed-forward", block)):
+            m.reshard()
+            with _Ops() as ops:
+                m.unshard()
+            m.reshard()
+            counts[name] = len(ops.ops)
+    assert len(set(counts.values())) == 1, counts
+
+
 def _grid(rank, world, refs):
     cases = {
-        f"exact {n} {t}": partial(_check_exact, n, t, rank, world, refs[n, t]) for n, t in refs
+        f"exact {n} {t} {d}": partial(_check_exact, n, t, d, rank, world, refs[n, t, d])
+        for n, t, d in refs
     }
+    cases["casts"] = partial(_check_casts, rank, world)
     if world == 4:
         cases["bytes"] = partial(_check_bytes, rank, world)
         cases["errors"] = partial(_check_errors, rank, world)
@@ -230,11 +320,11 @@ def _grid(rank, world, refs):
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_fp8_all_gather(world):
-    cases = CASES + ([("llama-tiny", (1, 32))] if world == MX_WORLD else [])
+    cases = CASES + (MX_CASES if world == MX_WORLD else [])
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny models: one thread is faster (the same bits either way)
     try:
-        refs = {(n, t): _reference(n, t, world) for n, t in cases}
+        refs = {c: _reference(*c, world) for c in cases}
     finally:
         torch.set_num_threads(threads)
     spawn(world, _grid, refs, timeout=600)
