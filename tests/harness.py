@@ -33,11 +33,15 @@ def _worker(rank, world, init_file, payload, queue):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     try:
         with open(payload, "rb") as f:  # (fn, args), pickled by value: see spawn
-            fn, args = pickle.load(f)
+            fn, args, init = pickle.load(f)
         import torch
         import torch.distributed as dist
 
         torch.set_num_threads(1)
+        if not init:  # fn makes its own process group
+            fn(rank, world, *args)
+            queue.put((rank, None))
+            return
         dist.init_process_group(
             "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world
         )
@@ -68,7 +72,9 @@ def _context():
     return _CTX
 
 
-def spawn(world: int, fn: Callable, *args, timeout: float = DEFAULT_TIMEOUT) -> None:
+def spawn(
+    world: int, fn: Callable, *args, timeout: float = DEFAULT_TIMEOUT, init: bool = True
+) -> None:
     """Run ``fn(rank, world, *args)`` on ``world`` gloo ranks; raise if any rank fails.
 
     Args:
@@ -76,6 +82,8 @@ def spawn(world: int, fn: Callable, *args, timeout: float = DEFAULT_TIMEOUT) -> 
         fn: a module-level function (it is pickled by name into each rank).
         *args: picklable arguments passed after ``rank, world``.
         timeout: seconds before every rank is killed and the test fails.
+        init: make the default process group (gloo) around ``fn``; False when ``fn``
+            makes its own.
     """
     ctx = _context()
     queue = ctx.Queue()
@@ -86,7 +94,7 @@ def spawn(world: int, fn: Callable, *args, timeout: float = DEFAULT_TIMEOUT) -> 
         # forkserver passes at most a few hundred.
         payload = os.path.join(tmp, "payload.pkl")
         with open(payload, "wb") as f:
-            pickle.dump((fn, args), f)
+            pickle.dump((fn, args, init), f)
         procs = [
             ctx.Process(target=_worker, args=(r, world, init_file, payload, queue), daemon=True)
             for r in range(world)
@@ -141,3 +149,49 @@ def run_cases(cases: dict[str, Callable[[], None]]) -> None:
             failed.append(f"[{name}]\n{traceback.format_exc()}")
     if failed:
         raise AssertionError(f"{len(failed)} of {len(cases)} cases failed:\n" + "\n".join(failed))
+
+
+# ---- the train CLI, its ranks forked ----------------------------------------------------------
+def train_cli(argv: list[str], timeout: float = 600.0) -> None:
+    """``python -m raggedfsdp train ARGV`` in this process, its ranks forked from the warm
+    server instead of started by torchrun (which imports torch again in every rank: most
+    of a small job's time). Everything else is the CLI's own: argument checks, the run
+    folder and its lock, each rank's ``_loop.main``. Tests of the launcher itself (exit
+    codes, killed or stopped ranks) run the real command.
+
+    Raises:
+        AssertionError: a rank failed (its traceback and message included).
+        SystemExit: the CLI refused the arguments.
+    """
+    import json
+    import socket
+
+    from raggedfsdp.train import _cli
+
+    def launch(args) -> int:
+        with socket.socket() as s:  # a free port for the ranks' rendezvous
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        spawn(args.nproc, _train_rank, json.dumps(vars(args)), port, timeout=timeout, init=False)
+        return 0
+
+    assert _cli.main(list(argv), launch=launch) == 0
+
+
+def _train_rank(rank: int, world: int, args_json: str, port: int) -> None:
+    from raggedfsdp.train import _loop
+    from raggedfsdp.train._guard import ARGS_ENV
+
+    os.environ.update(
+        {
+            ARGS_ENV: args_json,
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world),
+            "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": str(world),
+        }
+    )
+    code = _loop.main()
+    assert code == 0, f"rank {rank}: train exited with {code} (its message is above)"

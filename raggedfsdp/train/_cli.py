@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from raggedfsdp.train._checks import TRAIN_MODELS, check_args
@@ -114,7 +115,15 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str], launch: Callable[[argparse.Namespace], int] | None = None) -> int:
+    """Check the arguments, take the run folder, start the ranks; the exit code.
+
+    Args:
+        argv: the command line after ``train``.
+        launch: starts the ranks for the checked arguments and returns 0 when they all
+            succeed. Default: torchrun (``_launch``). The test suite passes one that forks
+            them from a process that has imported torch already.
+    """
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
@@ -135,7 +144,7 @@ def main(argv: list[str]) -> int:
             parser.error(str(e))
         prepare(args, digest)
     try:
-        return _launch(args)
+        return (launch or _launch)(args)
     finally:
         lock.release()
 

@@ -3,9 +3,10 @@
 - Exactness: both catalogue models (fp32 compute) give, step after step, the losses of
   one process that applies the same per-tile quantize-dequantize to its weights before
   each forward (within 1e-6; SGD on the fp32 masters), with 4x32 tiles and fp32 scales
-  (and, at 3 ranks, MX-style 1x32 tiles with fp32 and with E8M0 scales); the dequantized
-  unsharded parameters every rank gathers are bit-identical to that process's (so are
-  the codes and scales they decode).
+  (and, at 3 ranks, MX-style 1x32 tiles with fp32 and with E8M0 scales; at 4, on a 2 x 2
+  HSDP mesh too, gathering over the shard dim); the dequantized unsharded parameters
+  every rank gathers are bit-identical to that process's, and so is each rank's piece
+  decoded from its codes and scales as ``BufferView.fp8.piece`` gives them.
 - Bytes (CommCounter): a model whose matrices are whole 32x32 tiles all-gathers at most
   0.52x the bytes of its bf16 all-gather (codes plus scales), with 32x32 fp32 scales and
   with MX (1x32, E8M0), its reduce-scatter bytes unchanged; each FP8 buffer moves exactly
@@ -13,8 +14,8 @@
 - Casts, counted: in fp32, the only copy-like ops touching the buffers in a step are
   the dequantizing casts into FP8 buffers' global storages, one per FP8 all-gather, each
   matched by one quantizing ``div`` from the shard into the send buffer; and an FP8
-  all-gather runs the same number of ops for every buffer (a block's seven matrices or
-  the root's two), at every world size: kernels per buffer, not per piece.
+  all-gather runs the same number of ops for every buffer (an attention's four matrices,
+  a feed-forward's three): kernels per buffer, not per piece.
 - Block policies are raised to whole tiles (the lcm; a plan never cuts a tile): a
   12-row policy on 48-row members with 16-row tiles plans 48-row blocks and gathers
   exactly.
@@ -115,9 +116,12 @@ def _shard(model, mesh, tile, scale_dtype=F32, **kw):
     return fully_shard(model, mesh=mesh, mp_policy=mp)
 
 
-def _check_exact(name, tile, scale_dtype, rank, world, ref):
+def _check_exact(name, tile, scale_dtype, rank, world, ref, hsdp=False):
     ref_losses, chosen = ref
-    mesh = init_device_mesh("cpu", (world,))
+    if hsdp:  # 2 replicas of 2 shards: FP8 all-gathers over the shard dim
+        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    else:
+        mesh = init_device_mesh("cpu", (world,))
     model = _shard(_model(name), mesh, tile, scale_dtype)
     assert any(b.fp8 is not None for b in buffers_of(model))
     opt = torch.optim.SGD(model.parameters(), lr=0.3)
@@ -150,13 +154,13 @@ def _check_exact(name, tile, scale_dtype, rank, world, ref):
     for b in buffers_of(model):
         if b.fp8 is None:
             continue
-        send = b.fp8.quantize(b.shard, rank)
+        send = b.fp8.quantize(b.shard, b.rank)
         names = {id(p): n for n, p in model.named_parameters()}
         for param in b.params:
-            lo, hi = b.layout.local_range(param.fqn, rank)
+            lo, hi = b.layout.local_range(param.fqn, b.rank)
             if hi == lo:
                 continue
-            codes, scales = b.fp8.piece(send, rank, param.fqn)
+            codes, scales = b.fp8.piece(send, b.rank, param.fqn)
             tr, tc = tile
             expand = scales.float().repeat_interleave(tr, 0).repeat_interleave(tc, 1)
             want = _qdq(masters[names[id(param.param)]], tile, scale_dtype).flatten()[lo:hi]
@@ -312,6 +316,8 @@ def _grid(rank, world, refs):
     }
     cases["casts"] = partial(_check_casts, rank, world)
     if world == 4:
+        n, t, d = CASES[0]
+        cases["hsdp"] = partial(_check_exact, n, t, d, rank, world, refs[n, t, d], hsdp=True)
         cases["bytes"] = partial(_check_bytes, rank, world)
         cases["errors"] = partial(_check_errors, rank, world)
         cases["blocks raised to tiles"] = partial(_check_blocks_raised_to_tiles, rank, world)

@@ -1,17 +1,17 @@
-"""``python -m raggedfsdp train --mesh replicate=2,shard=2`` end to end (torchrun, 4 gloo
-ranks): HSDP gives the per-step losses of the 4-rank 1-D FSDP run, through a checkpoint
-saved and resumed on the HSDP mesh, and its measured step all-reduces one shard of
-gradients per group over the replicate dim (see [Note: HSDP in the plan])."""
+"""``python -m raggedfsdp train --mesh replicate=2,shard=2`` end to end (4 gloo ranks
+forked by ``tests.harness.train_cli``): HSDP gives the per-step losses of the 4-rank 1-D
+FSDP run, through a checkpoint saved and resumed on the HSDP mesh, and its measured step
+all-reduces one shard of gradients per group over the replicate dim (see [Note: HSDP in
+the plan])."""
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 from raggedfsdp.models import get_config
 from raggedfsdp.models.transformer import Transformer
+from tests.harness import train_cli
 
 COMMON = [
     "--model", "moe-tiny", "--nproc", "4", "--steps", "4", "--batch-size", "8",
@@ -22,9 +22,7 @@ HSDP = ["--mesh", "replicate=2,shard=2"]
 
 
 def _train(out: Path, *extra: str) -> None:
-    cmd = [sys.executable, "-m", "raggedfsdp", "train", *COMMON, "--out", str(out), *extra]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    train_cli([*COMMON, "--out", str(out), *extra])
 
 
 def _records(out: Path) -> dict[int, dict]:

@@ -1,17 +1,17 @@
-"""``python -m raggedfsdp train --mesh dp=2,tp=2`` and ``--mesh ep=2`` end to end
-(torchrun, 4 gloo ranks, moe-small: 6 query / 2 key-value heads split over tp 2, its
-dense first block's feed-forward too; 6 experts split over ep 2). One job trains two
-steps on the FSDP x TP mesh and saves; a second resumes that checkpoint on the FSDP x EP
-mesh (the checkpoint reshards across meshes). Every step's loss and validation loss
-equals the 4-rank 1-D FSDP run's within 1e-5 (fp32, AdamW, clipping on). See
-[Note: train meshes] in ``raggedfsdp/train/_checks.py``."""
+"""``python -m raggedfsdp train --mesh dp=2,tp=2`` and ``--mesh ep=2`` end to end (4
+gloo ranks forked by ``tests.harness.train_cli``; moe-small: 6 query / 2 key-value heads
+split over tp 2, its dense first block's feed-forward too; 6 experts split over ep 2).
+One job trains two steps on the FSDP x TP mesh and saves; a second resumes that
+checkpoint on the FSDP x EP mesh (the checkpoint reshards across meshes). Every step's
+loss and validation loss equals the 4-rank 1-D FSDP run's within 1e-5 (fp32, AdamW,
+clipping on). See [Note: train meshes] in ``raggedfsdp/train/_checks.py``."""
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
+
+from tests.harness import train_cli
 
 COMMON = [
     "--model", "moe-small", "--nproc", "4", "--steps", "4", "--batch-size", "8",
@@ -21,9 +21,7 @@ COMMON = [
 
 
 def _train(out: Path, *extra: str) -> dict:
-    cmd = [sys.executable, "-m", "raggedfsdp", "train", *COMMON, "--out", str(out), *extra]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    train_cli([*COMMON, "--out", str(out), *extra])
     return json.loads((out / "summary.json").read_text())
 
 

@@ -1,12 +1,13 @@
-"""``python -m raggedfsdp train`` end to end (torchrun, 2 gloo ranks): a run split in two
-jobs by a checkpoint gives the same per-step losses as the run in one job."""
+"""``python -m raggedfsdp train`` end to end (2 gloo ranks, forked by
+``tests.harness.train_cli``): a run split in two jobs by a checkpoint gives the same
+per-step losses as the run in one job."""
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
+
+from tests.harness import train_cli
 
 COMMON = [
     "--model", "moe-tiny", "--nproc", "2", "--steps", "6", "--batch-size", "4",
@@ -16,9 +17,7 @@ COMMON = [
 
 
 def _train(out: Path, *extra: str) -> None:
-    cmd = [sys.executable, "-m", "raggedfsdp", "train", *COMMON, "--out", str(out), *extra]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    train_cli([*COMMON, "--out", str(out), *extra])
 
 
 def _losses(out: Path) -> dict[int, float]:
