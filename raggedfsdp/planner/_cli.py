@@ -41,7 +41,11 @@ from pathlib import Path
 from typing import Any
 
 from raggedfsdp._mesh_arg import parse_hsdp_mesh
-from raggedfsdp.planner._multi import DEFAULT_MAX_BUFFERS, plan_buffers
+from raggedfsdp.planner._multi import (
+    DEFAULT_ALPHA_BYTES_PER_RANK,
+    DEFAULT_MAX_BUFFERS,
+    plan_buffers,
+)
 from raggedfsdp.planner._peers import PeerPadding, fsdp1_padding, fsdp2_padding, zero3_padding
 from raggedfsdp.planner._plan import DEFAULT_ALIGNMENT_BYTES, clear_plan_cache
 from raggedfsdp.planner._spec import WHOLE, TensorSpec, dtype_name_and_itemsize, with_block_rows
@@ -134,8 +138,9 @@ def _parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="the most buffers a group may be split over, as fully_shard(max_buffers=) "
-        f"(default {DEFAULT_MAX_BUFFERS}, fully_shard's; 1 with --exact, which solves one "
-        "buffer per group; 1: one buffer per group); a split is kept only where it saves "
+        f"(default {DEFAULT_MAX_BUFFERS}, fully_shard's; 1 with --exact, which then solves one "
+        "buffer per group, and above 1 every split of groups of at most 10 tensors; 1: one "
+        "buffer per group); a split is kept only where it saves "
         "more padding bytes than one more collective costs (128 KiB per rank)",
     )
     p.add_argument("--exact", action="store_true", help="solve each distinct group with HiGHS")
@@ -220,11 +225,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         max_buffers = 1 if args.exact else DEFAULT_MAX_BUFFERS
     if max_buffers < 1:
         raise ValueError(f"--max-buffers must be >= 1, got {max_buffers}")
-    if args.exact and max_buffers != 1:
-        raise ValueError(
-            f"--exact solves one buffer per group, but --max-buffers is {max_buffers}; "
-            "drop --max-buffers or pass 1"
-        )
     specs = {g.name: _specs(g, args.block_rows) for g in groups}
     clear_plan_cache()  # time a cold plan
     t0 = time.perf_counter()
@@ -233,9 +233,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for g in groups
     }
     plan_seconds = time.perf_counter() - t0
-    layouts = {name: plan.single for name, plan in plans.items()}  # --exact improves these
+    buffers = {g.name: plans[g.name].layouts for g in groups}  # --exact improves these
     exact: dict[str, Any] = {}
-    if args.exact:
+    if args.exact and max_buffers == 1:
         from raggedfsdp.planner._exact import plan_exact
 
         seen: dict[tuple, tuple] = {}  # shapes -> (layout, proven, its names)
@@ -252,10 +252,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 seen[key] = (layout, proven, [s.name for s in specs[g.name]])
             layout, proven, names = seen[key]
             exact[g.name] = {"shard_size": layout.shard_size, "proven_optimal": proven}
-            if layout.shard_size < layouts[g.name].shard_size:
+            if layout.shard_size < buffers[g.name][0].shard_size:
                 new_names = [s.name for s in specs[g.name]]
-                layouts[g.name] = layout.renamed(dict(zip(names, new_names, strict=True)))
-    buffers = {g.name: (layouts[g.name],) if args.exact else plans[g.name].layouts for g in groups}
+                buffers[g.name] = (layout.renamed(dict(zip(names, new_names, strict=True))),)
+    elif args.exact:
+        exact = _exact_splits(groups, specs, plans, buffers, world, max_buffers, args)
 
     def zero() -> dict[str, Any]:
         return {
@@ -357,7 +358,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if gname not in buffers:
             raise ValueError(
                 f"--png-group {gname!r} is not a group of {name}; groups: "
-                f"{', '.join(list(layouts)[:6])}, ..."
+                f"{', '.join(list(buffers)[:6])}, ..."
             )
         drawn = max(buffers[gname], key=lambda lay: lay.total_numel)  # its largest buffer
         which = "" if len(buffers[gname]) == 1 else f" (largest of {len(buffers[gname])} buffers)"
@@ -441,9 +442,60 @@ def _print(report: dict[str, Any]) -> None:
     print(f"plan time: {r['plan_seconds']:.3f} s ({r['distinct_groups']} distinct groups planned)")
     if "exact" in r:
         proven = sum(v["proven_optimal"] for v in r["exact"].values())
-        print(f"exact (HiGHS): {proven}/{len(r['exact'])} groups proven optimal")
+        print(f"exact (HiGHS): {proven}/{len(r['exact'])} groups proven optimal", end="")
+        skipped = [n for n, v in r["exact"].items() if v.get("solved") is False]
+        if skipped:
+            print(
+                f"; {len(skipped)} not solved (over 10 tensors: every split of more is too "
+                f"many to solve), e.g. {skipped[0]!r}",
+                end="",
+            )
+        print()
     if "png" in r:
         print(f"layout of {r['png']['group']} drawn to {r['png']['file']}")
+
+
+def _exact_splits(groups, specs, plans, buffers, world, max_buffers, args) -> dict[str, Any]:
+    """``--exact`` with ``--max-buffers`` above 1: each distinct group of at most 10
+    tensors solved over every split (``plan_buffers_exact``); ``buffers`` takes the
+    exact split where it costs less than the planner's. Returns the report's ``exact``."""
+    from raggedfsdp.planner._exact import plan_buffers_exact
+
+    itemsize = dtype_name_and_itemsize(args.dtype)[1]
+    alpha = DEFAULT_ALPHA_BYTES_PER_RANK * world
+    seen: dict[tuple, tuple] = {}  # shapes -> (layouts, cost, proven, its names)
+    out: dict[str, Any] = {}
+    for g in groups:
+        mine = specs[g.name]
+        planner_cost = plans[g.name].padding * itemsize + alpha * (len(buffers[g.name]) - 1)
+        if len(mine) > 10:
+            out[g.name] = {"solved": False, "tensors": len(mine), "proven_optimal": False}
+            continue
+        key = tuple((s.shape, s.block_rows, s.stack) for s in mine)
+        if key not in seen:
+            layouts, cost, proven = plan_buffers_exact(
+                mine,
+                world,
+                max_buffers=max_buffers,
+                alpha_bytes=alpha,
+                dtype=args.dtype,
+                alignment_bytes=args.alignment_bytes,
+                time_limit=args.time_limit,
+            )
+            seen[key] = (layouts, cost, proven, [s.name for s in mine])
+        layouts, cost, proven, names = seen[key]
+        out[g.name] = {
+            "solved": True,
+            "buffers": len(layouts),
+            "shard_sizes": [x.shard_size for x in layouts],
+            "cost_bytes": cost,
+            "planner_cost_bytes": planner_cost,
+            "proven_optimal": proven,
+        }
+        if cost < planner_cost:
+            rename = dict(zip(names, [s.name for s in mine], strict=True))
+            buffers[g.name] = tuple(x.renamed(rename) for x in layouts)
+    return out
 
 
 def main(argv: list[str]) -> int:

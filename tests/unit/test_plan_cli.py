@@ -278,8 +278,37 @@ def test_multi_buffer_plan_report(capsys):
     _, out, _ = run(capsys, *argv, "--max-buffers", "2")  # the issue's goal: <= 3%, <= 2 each
     two = json.loads(out)
     assert two["padding_ratio"] < 0.03 and two["buffers"] <= 2 * 63
-    _, _, err = run(capsys, *argv, "--exact", "--max-buffers", "2")
-    assert "--exact solves one buffer per group, but --max-buffers is 2" in err
+
+
+def test_exact_splits(capsys, tmp_path):
+    """--exact with --max-buffers 2 solves every split of a small group: 16- and 7-row
+    blocks in one buffer pad 1 MiB at 4 ranks; apart they pad nothing, for one more
+    collective (512 KiB at 4 ranks), and the exact split is the planner's. A group of
+    over 10 tensors is reported unsolved."""
+    group = [{"name": f"a{i}", "shape": [64, 16384], "block_rows": 16} for i in range(2)]
+    group += [{"name": f"b{i}", "shape": [56, 16384], "block_rows": 7} for i in range(2)]
+    large = [{"name": f"c{i}", "shape": [8, 4], "block_rows": 1} for i in range(11)]
+    model = tmp_path / "p.json"
+    model.write_text(
+        json.dumps({"groups": [{"name": "g", "params": group}, {"name": "h", "params": large}]})
+    )
+    argv = ["--model", str(model), "--world", "4", "--dtype", "float32", "--json", "--exact"]
+    _, out, _ = run(capsys, *argv, "--max-buffers", "1")
+    one = json.loads(out)
+    assert one["exact"]["g"] == {"shard_size": 1 << 20, "proven_optimal": True}
+    rc, out, _ = run(capsys, *argv, "--max-buffers", "2")
+    assert rc == 0
+    two = json.loads(out)
+    assert two["exact"]["g"] == {
+        "solved": True,
+        "buffers": 2,
+        "shard_sizes": [2 * 64 * 16384 // 4, 2 * 56 * 16384 // 4],
+        "cost_bytes": 128 * 1024 * 4,  # no padding, one more collective
+        "planner_cost_bytes": 128 * 1024 * 4,
+        "proven_optimal": True,
+    }
+    assert two["exact"]["h"] == {"solved": False, "tensors": 11, "proven_optimal": False}
+    assert one["padding"] >= (1 << 20) // 4 and two["padding"] < one["padding"]
 
 
 @pytest.mark.parametrize(
