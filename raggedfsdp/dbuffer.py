@@ -116,21 +116,22 @@ class DBuffer:
         return self.shard_grads.tensor
 
     # ---- views ----------------------------------------------------------------------------
-    def _local_view(self, flat: torch.Tensor, name: str) -> torch.Tensor:
-        start, stop = self.layout.shard_range(name, self.rank)
-        lo, hi = self.layout.local_range(name, self.rank)
-        full = self.layout[name].shape
-        rest = full[-1:] if len(full) > 1 else ()  # RaggedShard rows: every dim but the last
-        shape = ((hi - lo) // math.prod(rest), *rest)  # = RaggedShard.local_shape(full, rank)
-        return flat[start:stop].view(shape)
+    def local_view(self, flat: torch.Tensor, name: str) -> torch.Tensor:
+        """``name``'s local tensor as a view of ``flat`` (1D, S elements, laid out as the
+        shard storage): ``RaggedShard.local_shape``; a gapped stack's whole members are
+        ``member_stride`` apart (see [Note: member gaps] in ``raggedfsdp.planner``)."""
+        size, stride, offset = self.layout.local_view_args(name, self.rank)
+        if self.layout[name].members == 1:
+            return flat[offset : offset + math.prod(size)].view(size)
+        return flat[offset:].as_strided(size, stride)
 
     def shard_view(self, name: str) -> torch.Tensor:
         """This rank's part of ``name`` in the shard storage, shaped ``(rows, *rest)``."""
-        return self._local_view(self.shard, name)
+        return self.local_view(self.shard, name)
 
     def shard_grad_view(self, name: str) -> torch.Tensor:
         """This rank's part of ``name``'s gradient in the shard gradient storage."""
-        return self._local_view(self.shard_grad, name)
+        return self.local_view(self.shard_grad, name)
 
     def _global_view(self, flat: torch.Tensor, name: str) -> torch.Tensor:
         size, stride, offset = self.layout.unsharded_view_args(name)

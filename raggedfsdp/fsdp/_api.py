@@ -50,6 +50,7 @@ def fully_shard(
     max_buffers: int = DEFAULT_MAX_BUFFERS,
     buffer_alpha_bytes: int | None = None,
     grads_in_params: bool = True,
+    member_gaps: bool | str = False,
 ):
     """Shard ``module``'s parameters (those not already sharded by a nested call).
 
@@ -97,6 +98,14 @@ def fully_shard(
             parameter's value in backward after its gradient is complete (a
             ``detach()``-ed use), or that uses a parameter in several reentrant
             checkpointed regions (an error says so). Default True.
+        member_gaps: let the planner put padding between the members of a stacked
+            ``[E, out, in]`` parameter (fused experts) where that lowers the padding; such
+            a stack is then cut only between members, every rank holds whole members,
+            and its local tensor is a strided view ``(n, out, in)`` of the shard (see
+            [Note: member gaps] in ``raggedfsdp.planner``). ``"always"`` gaps every stack
+            whose member fits in a shard, even where that pads more (to exercise the
+            layout). Not with tensor parallelism; FP8-gathered parameters are planned
+            without gaps. Default False.
 
     Returns:
         ``module`` (or the list), now ``FSDPModule``s.
@@ -114,6 +123,10 @@ def fully_shard(
         )
     if not isinstance(grads_in_params, bool):
         raise ValueError(f"fully_shard: grads_in_params must be a bool, got {grads_in_params!r}")
+    if not (isinstance(member_gaps, bool) or member_gaps == "always"):
+        raise ValueError(
+            f"fully_shard: member_gaps must be True, False or 'always', got {member_gaps!r}"
+        )
     if buffer_alpha_bytes is not None and (
         isinstance(buffer_alpha_bytes, bool) or not isinstance(buffer_alpha_bytes, int)
     ):
@@ -169,6 +182,7 @@ def fully_shard(
             alignment_bytes,
             max_buffers,
             buffer_alpha_bytes,
+            member_gaps,
             name=name,
             offload=isinstance(offload_policy, CPUOffloadPolicy),
             pin_memory=getattr(offload_policy, "pin_memory", True),
@@ -282,11 +296,17 @@ def _sharded_by(p) -> tuple[str, str] | None:
 
 
 def _new_group(
-    refs, originals, mesh, mp_policy, block_policy, alignment_bytes, max_buffers, alpha, **kw
+    refs, originals, mesh, mp_policy, block_policy, alignment_bytes, max_buffers, alpha, gaps, **kw
 ):
     """The group of one ``fully_shard`` call: one ``ParamGroup``, or a ``GroupSet`` of one
     per buffer where the planner splits it (see [Note: multi-buffer groups])."""
     specs, dtype = group_specs(refs, originals, mesh, block_policy)
+    if gaps and any(ref.tp is not None for ref in refs):
+        tp = next(ref.fqn for ref in refs if ref.tp is not None)
+        raise NotImplementedError(
+            f"fully_shard: member_gaps=True with tensor parallelism ({tp!r} is a TP DTensor) "
+            "is not supported yet; pass member_gaps=False"
+        )
     fp8 = mp_policy.all_gather
     selected = _fp8_selected(refs, specs, dtype, fp8, kw) if fp8 is not None else set()
     if selected:  # see [Note: FP8 all-gather]: selected tensors plan apart from the rest
@@ -305,6 +325,7 @@ def _new_group(
                 max_buffers=max_buffers,
                 alpha_bytes=alpha,
                 dtype=dtype,
+                member_gaps=gaps if how is None else False,
                 alignment_bytes=alignment_bytes
                 if how is None
                 else how.alignment_bytes(alignment_bytes, dtype),

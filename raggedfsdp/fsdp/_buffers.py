@@ -8,7 +8,8 @@ never through ``ParamGroup`` or ``DBuffer`` directly::
         buf.shard                            # 1D, S elements: this rank's shard storage
         buf.shard_grad                       # 1D, S (0 elements while freed)
         for s in buf.params:                 # ParamSlice: fqn, param, [start, stop)
-            buf.shard[s.start : s.stop]      # == s.param.to_local().view(-1)
+            s.view(buf.shard)                # == s.param.to_local(), a view of shard
+            buf.shard[s.start : s.stop]      # its span (with a gapped stack's gaps)
 
     found = buffer_of(p)                     # (BufferView, ParamSlice) or None
 
@@ -19,6 +20,7 @@ buffer (the same object each time), so views can key dictionaries.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -50,6 +52,9 @@ class ParamSlice:
         start: first element of this rank's part in the shard storage.
         stop: one past its last (``start == stop`` when this rank holds none of it).
         requires_grad: whether the parameter is trainable.
+        size, stride: the local tensor's, as a view of the shard storage from ``start``:
+            contiguous, except a stack planned with member gaps, whose whole members
+            lie ``stride[0]`` apart with padding between them (``member_gaps=True``).
     """
 
     fqn: str
@@ -57,11 +62,25 @@ class ParamSlice:
     start: int
     stop: int
     requires_grad: bool
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
 
     @property
     def numel(self) -> int:
-        """Elements of this parameter on this rank."""
-        return self.stop - self.start
+        """Elements of this parameter on this rank (gaps excluded)."""
+        return math.prod(self.size)
+
+    @property
+    def contiguous(self) -> bool:
+        """Whether the part is one run ``[start, stop)`` of the storage (no member gaps)."""
+        return self.numel == self.stop - self.start
+
+    def view(self, flat: torch.Tensor) -> torch.Tensor:
+        """This part as a view of ``flat``, a 1D tensor laid out as the shard storage
+        (the shard, its gradient, an optimizer's flat state): the local tensor's shape."""
+        if self.contiguous:
+            return flat[self.start : self.stop].view(self.size)
+        return flat[self.start :].as_strided(self.size, self.stride)
 
 
 class BufferView:
@@ -174,15 +193,15 @@ class BufferView:
     def params(self) -> tuple[ParamSlice, ...]:
         """Every parameter of the buffer, in the order of the module's parameters."""
         group = self._group
-        return tuple(
-            ParamSlice(
-                ref.fqn,
-                ref.sharded,
-                *group.layout.shard_range(ref.fqn, group.rank),
-                ref.requires_grad,
+        out = []
+        for ref in group.refs:
+            size, stride, start = group.layout.local_view_args(ref.fqn, group.rank)
+            n = math.prod(size)  # the last element's offset + 1 (every stride positive)
+            stop = start + sum((k - 1) * d for k, d in zip(size, stride)) + 1 if n else start
+            out.append(
+                ParamSlice(ref.fqn, ref.sharded, start, stop, ref.requires_grad, size, stride)
             )
-            for ref in group.refs
-        )
+        return tuple(out)
 
     def slice_of(self, param: torch.Tensor) -> ParamSlice:
         """The ``ParamSlice`` of ``param``, a sharded parameter of this buffer.

@@ -731,8 +731,7 @@ class ParamGroup:
                 )
             existing = ref.sharded.grad
             if not direct:
-                start, stop = self.layout.shard_range(ref.fqn, self.rank)
-                part = output[start:stop].view(ref.sharded_grad._local_tensor.shape)
+                part = self.dbuf.local_view(output, ref.fqn)
                 if existing is None:
                     ref.sharded_grad._local_tensor.copy_(part)
                 else:

@@ -54,9 +54,8 @@ class FlatAdamW(FlatOptimizer):
             return
         buf, s = found
         fs = self._moments(buf)
-        shape = local(p).shape
-        state["exp_avg"] = like_param(fs.exp_avg[s.start : s.stop].view(shape), p)
-        state["exp_avg_sq"] = like_param(fs.exp_avg_sq[s.start : s.stop].view(shape), p)
+        state["exp_avg"] = like_param(s.view(fs.exp_avg), p)
+        state["exp_avg_sq"] = like_param(s.view(fs.exp_avg_sq), p)
 
     def load_state_dict(self, state_dict) -> None:
         """Load, then move the loaded moments back into the flat buffers (views again)."""

@@ -418,9 +418,9 @@ class AdamW8bit(FlatOptimizer):
                 continue
             start, stop = s.start, s.stop
             if not self.is_8bit(s.param):
-                small_index.append(torch.arange(start, stop, device=device))
-                small_ranges[s.fqn] = (n_small, n_small + stop - start)
-                n_small += stop - start
+                small_index.append(s.view(torch.arange(S, device=device)).reshape(-1))
+                small_ranges[s.fqn] = (n_small, n_small + s.numel)
+                n_small += s.numel
                 continue
             pq = _param_quant(s.fqn, s.param, self.block_size)
             quant[s.fqn] = pq
@@ -430,7 +430,8 @@ class AdamW8bit(FlatOptimizer):
             if start > pos:
                 lengths.append(start - pos)  # a gap: fp32-state parameters and padding
             first = len(lengths)
-            lengths += param_block_lengths(pq.numel, pq.member_numel, pq.lo, pq.hi, self.block_size)
+            own = param_block_lengths(pq.numel, pq.member_numel, pq.lo, pq.hi, self.block_size)
+            lengths += own if s.contiguous else _with_member_gaps(own, s)
             scale_ranges[s.fqn] = (first, len(lengths))
             pos = stop
         if pos < S:
@@ -462,8 +463,7 @@ class AdamW8bit(FlatOptimizer):
             if s.fqn in fs.quant:
                 a, b = fs.scale_ranges[s.fqn]
                 for i, key in enumerate(_MOMENTS):
-                    codes = fs.codes[i][s.start : s.stop].view(shape)
-                    state[f"{key}_codes"] = like_param(codes, p)
+                    state[f"{key}_codes"] = like_param(s.view(fs.codes[i]), p)
                     state[f"{key}_scales"] = _scales_like(fs.scales[i][a:b], p, fs.quant[s.fqn])
             else:
                 a, b = fs.small_ranges[s.fqn]
@@ -540,22 +540,54 @@ class AdamW8bit(FlatOptimizer):
     def _step_param(self, p: torch.Tensor, h: dict, step: float) -> None:
         state = self.state[p]
         lr, (beta1, beta2), eps = h["lr"], h["betas"], h["eps"]
-        param = local(p).view(-1)
         grad = local(p.grad).reshape(-1).float()
         if "exp_avg" in state:
-            m, v = (local(state[key]).view(-1) for key in _MOMENTS)
+            param, m, v = _flat(local(p)), *(_flat(local(state[key])) for key in _MOMENTS)
             _moments(m, v, grad, beta1, beta2)
             _update(param, m, v, step, lr, beta1, beta2, eps)
+            _write_back(local(p), param)
             return
         pq = self._param_quant_of(p)
+        param = _flat(local(p))
         maps = (dynamic_tree_map(True, param.device), dynamic_tree_map(False, param.device))
-        codes = [local(state[f"{key}_codes"]).view(-1) for key in _MOMENTS]
+        codes = [_flat(local(state[f"{key}_codes"])) for key in _MOMENTS]
         scales = [local(state[f"{key}_scales"]).view(-1) for key in _MOMENTS]
         m, v = (dequantize(c, s, pq.blocks, q) for c, s, q in zip(codes, scales, maps))
         _moments(m, v, grad, beta1, beta2)
         _update(param, m, v, step, lr, beta1, beta2, eps)
-        for x, c, s, q in zip((m, v), codes, scales, maps):
+        _write_back(local(p), param)
+        for x, c, s, q, key in zip((m, v), codes, scales, maps, _MOMENTS):
             quantize_(x, pq.blocks, q, c, s)
+            _write_back(local(state[f"{key}_codes"]), c)
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as 1D: a view, or a copy of a gapped stack's members (see ``_write_back``)."""
+    return t.view(-1) if t.is_contiguous() else t.reshape(-1)
+
+
+def _write_back(t: torch.Tensor, flat: torch.Tensor) -> None:
+    """Copy ``flat`` (from ``_flat(t)``) back into ``t`` unless it is a view of it: the
+    one copy each way of a parameter planned with member gaps stepped on its own."""
+    if not t.is_contiguous():
+        t.copy_(flat.view(t.shape))
+
+
+def _with_member_gaps(lengths: list[int], s) -> list[int]:
+    """Block ``lengths`` of a gapped stack's whole members, each member's last block
+    stretched over the gap after it: the flat state's blocks, laid out as the storage.
+
+    The gap is padding, zero in the moments, so a stretched block's scale (its amax)
+    and its members' codes are those of the unstretched block.
+    """
+    member, gap = math.prod(s.size[1:]), s.stride[0] - math.prod(s.size[1:])
+    out, acc = [], 0
+    for n in lengths:
+        acc += n
+        out.append(n)
+        if acc % member == 0 and acc < s.numel:
+            out[-1] += gap
+    return out
 
 
 # [Note: bit-identical under any sharding] (see _quant.py): single correctly rounded ops only.

@@ -626,8 +626,11 @@ def _split(recv: Tensor, segments: list[tuple[int, int]], matrices) -> dict:
 def _apply(param: Tensor, offset: int, update: Tensor, h: dict, shape: tuple[int, int]) -> None:
     """``param -= adjusted_lr * update`` on ``update.numel()`` elements of the local
     ``param`` from ``offset``."""
-    flat = param.view(-1)
     lr = adjust_lr(h["lr"], h["adjust_lr_fn"], *shape)
+    if not param.is_contiguous():  # whole members of a gapped stack: within one member
+        member, offset = divmod(offset, param[0].numel())
+        param = param[member]
+    flat = param.view(-1)
     flat[offset : offset + update.numel()].add_(update, alpha=-lr)
 
 

@@ -47,16 +47,22 @@ problem is NP-hard (PARTITION is the case ``m = 2`` with one-block tensors);
 A stack (``TensorSpec(stack=True)``, fused experts ``[E, out, in]``) can be laid out
 with ``member_gap`` padding elements after each member but the last; its unsharded
 view is still a view, ``as_strided`` with dim-0 stride ``member numel + gap``
-(``BufferLayout.unsharded_view_args``). With a gap, blocks restart at each member
-(a member's last block may be short) and a boundary in a gap splits nothing. Two
-gap sizes are tried, for every eligible stack at once, against the gap-free layout,
-and the smaller ``S`` wins: when a member fits in a shard, the stride that packs
-``S // member`` members per shard (boundaries then repeat at the same member
-position, which frees ``S`` from being a multiple of the stack's block: the lcm
-rounding behind the paper's padding spikes); when a member is larger than a shard,
-the gap that rounds the member up to whole blocks (per-member 128x128 tiles stay
-whole even when ``out`` is not a multiple of 128). Gaps are opt-in
-(``member_gaps=True``) because the runtime must then view members with a stride.
+(``BufferLayout.unsharded_view_args``). A gapped stack is cut only between members
+(its block is the whole member; a boundary falls on a member start or in a gap), so
+every rank holds whole members: its ``RaggedShard`` cuts dim 0 (``dims=(0,)``, one
+unit per member) and its local tensor ``(n, out, in)`` is a view of the shard with the
+same member stride (``BufferLayout.local_view_args``). A member cut by a boundary would
+need a copy (the tail of one member, a gap and the head of the next are not one strided
+tensor), which the runtime never makes. The gap tried is the one that packs
+``S // member`` members per shard (boundaries then repeat at the same member position,
+which frees ``S`` from being a multiple of the stack's block next to other tensors'
+blocks: the lcm rounding behind the paper's padding spikes), for every eligible stack
+at once, against the gap-free layout, and the smaller ``S`` wins. A stack whose member
+is larger than a shard, or is not a whole number of its blocks, is never gapped. Gaps
+are opt-in (``member_gaps=True``); ``member_gaps="always"`` gaps every stack whose
+member fits in a shard even where that pads more, to exercise the layout. Measured on
+the catalogue (``benchmarks/results/planner.md``): they lower the padding of one
+buffer per group, and nothing once ``max_buffers`` splits the group.
 """
 
 from raggedfsdp.planner._exact import plan_exact

@@ -159,6 +159,8 @@ class BufferLayout:
             raise _fail(f"{t.name!r}: member gap {t.member_gap} with {t.members} members")
         if t.members > 1 and t.member_stride % a:
             raise _fail(f"{t.name!r}: member stride {t.member_stride} not a multiple of {a}")
+        if t.members > 1 and t.block_rows != t.rows // t.members:
+            raise _fail(f"{t.name!r}: a stack with member gaps must be cut between members only")
         # Every boundary k*S strictly inside the tensor must fall between blocks.
         first = (t.offset // S + 1) * S
         if first >= t.end:
@@ -288,8 +290,31 @@ class BufferLayout:
             raise NotImplementedError(
                 f"BufferLayout: {name!r} is 0-d; RaggedShard needs at least one dim"
             )
-        dims = (0,) if len(t.shape) == 1 else tuple(range(len(t.shape) - 1))
-        return dims, self.local_units(name)
+        if len(t.shape) == 1 or t.members > 1:  # a gapped stack: whole members, units of one
+            return (0,), self.local_units(name)
+        return tuple(range(len(t.shape) - 1)), self.local_units(name)
+
+    def local_view_args(self, name: str, rank: int) -> tuple[tuple[int, ...], tuple[int, ...], int]:
+        """``(size, stride, offset)`` of ``rank``'s local tensor of ``name`` as a view of
+        its shard storage (1D, S elements): ``RaggedShard.local_shape``, row-major, from
+        the first element the rank holds; a gapped stack's whole members ``member_stride``
+        apart (see [Note: member gaps])."""
+        t = self[name]
+        lo, hi = self.local_range(name, rank)
+        dims, _ = self.ragged_shard_args(name)
+        rest = t.shape[len(dims) :]
+        row = math.prod(rest)
+        size = ((hi - lo) // row, *rest)
+        stride = [1] * len(size)
+        for d in range(len(size) - 2, -1, -1):
+            stride[d] = stride[d + 1] * size[d + 1] if d else row
+        if hi == lo:
+            return size, tuple(stride), 0
+        if t.members > 1:
+            stride[0] = t.member_stride
+            first = t.offset + (lo // t.member_numel) * t.member_stride
+            return size, tuple(stride), first - rank * self.shard_size
+        return size, tuple(stride), t.offset + lo - rank * self.shard_size
 
     def unsharded_view_args(self, name: str) -> tuple[tuple[int, ...], tuple[int, ...], int]:
         """``(size, stride, storage_offset)`` of ``name`` as a view of the global buffer.

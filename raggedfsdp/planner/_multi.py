@@ -52,6 +52,7 @@ from raggedfsdp.planner._plan import (
     DEFAULT_ALIGNMENT_BYTES,
     alignment_elems,
     canonical_plan,
+    check_member_gaps,
     plan_buffer,
     register_cache,
     structure,
@@ -115,7 +116,7 @@ def plan_buffers(
     alpha_bytes: int | None = None,
     dtype: Any = "bfloat16",
     alignment_bytes: int = DEFAULT_ALIGNMENT_BYTES,
-    member_gaps: bool = False,
+    member_gaps: bool | str = False,
 ) -> MultiPlan:
     """Plan one group into at most ``max_buffers`` buffers; see [Note: multi-buffer groups].
 
@@ -148,7 +149,13 @@ def plan_buffers(
         return MultiPlan((single,), single, single.lower_bound_padding, single.lower_bound_padding)
     name, a = alignment_elems(dtype, alignment_bytes)
     parts, searched = _split(
-        structure(specs), world_size, a, name, bool(member_gaps), max_buffers, alpha_bytes
+        structure(specs),
+        world_size,
+        a,
+        name,
+        check_member_gaps(member_gaps),
+        max_buffers,
+        alpha_bytes,
     )
     if len(parts) == 1:
         final: tuple[BufferLayout, ...] = (single,)
@@ -159,7 +166,7 @@ def plan_buffers(
 
 @functools.lru_cache(maxsize=1024)
 def _split(
-    key: tuple, m: int, a: int, dtype: str, gaps: bool, max_buffers: int, alpha_bytes: int
+    key: tuple, m: int, a: int, dtype: str, gaps: bool | str, max_buffers: int, alpha_bytes: int
 ) -> tuple[tuple[tuple[int, ...], ...], int]:
     """The search of ``plan_buffers`` on a group's structure (identical groups, every
     layer, search once): ``(the chosen parts as tensor indices, the least bound searched)``.

@@ -54,7 +54,7 @@ def plan_buffer(
     *,
     dtype: Any = "bfloat16",
     alignment_bytes: int = DEFAULT_ALIGNMENT_BYTES,
-    member_gaps: bool = False,
+    member_gaps: bool | str = False,
     max_orders: int | None = None,
 ) -> BufferLayout:
     """Plan one param group's flat buffer over ``world_size`` ranks.
@@ -67,8 +67,9 @@ def plan_buffer(
         alignment_bytes: alignment of ``S`` and of every offset, in bytes.
             Default ``DEFAULT_ALIGNMENT_BYTES`` (128; see its docstring).
         member_gaps: let tensors declared ``stack=True`` have padding between their
-            members where that lowers the padding. Default False (opt-in; see
-            [Note: member gaps]).
+            members where that lowers the padding (True), or wherever a member fits in a
+            shard (``"always"``: to exercise the gapped layout). Default False (opt-in;
+            see [Note: member gaps]).
         max_orders: tensor orders to try. Default 24 for groups of up to 8
             tensors, else 8.
 
@@ -93,7 +94,8 @@ def plan_buffer(
         raise ValueError(f"planner: tensor names must be unique in a group; repeated: {dup}")
     if max_orders is not None and max_orders < 1:
         raise ValueError(f"planner: max_orders must be >= 1, got {max_orders}")
-    canonical = canonical_plan(structure(specs), m, a, name, bool(member_gaps), max_orders)
+    gaps = check_member_gaps(member_gaps)
+    canonical = canonical_plan(structure(specs), m, a, name, gaps, max_orders)
     return canonical.renamed({f"#{i}": s.name for i, s in enumerate(specs)})
 
 
@@ -103,7 +105,7 @@ def structure(specs: Sequence[TensorSpec]) -> tuple:
 
 
 def canonical_plan(
-    key: tuple, m: int, a: int, dtype: str, member_gaps: bool, max_orders: int | None = None
+    key: tuple, m: int, a: int, dtype: str, member_gaps: bool | str, max_orders: int | None = None
 ) -> BufferLayout:
     """The plan of tensors named ``#0, #1, ...`` of structure ``key`` (cached: identical
     groups share it); ``plan_buffer`` renames it. Inputs already checked."""
@@ -114,15 +116,22 @@ def canonical_plan(
 
 @functools.lru_cache(maxsize=4096)
 def _plan_cached(
-    key: tuple, m: int, a: int, dtype: str, member_gaps: bool, max_orders: int
+    key: tuple, m: int, a: int, dtype: str, member_gaps: bool | str, max_orders: int
 ) -> BufferLayout:
     """Plan tensors named ``#0, #1, ...``; identical groups (every layer) share it."""
     specs = [
         TensorSpec(name=f"#{i}", shape=shape, block_rows=block, stack=stack)
         for i, (shape, block, stack) in enumerate(key)
     ]
-    eligible = [member_gaps and gap_eligible(s, a) for s in specs]
-    res = search(specs, m, a, gap_eligible=eligible, max_orders=max_orders)
+    eligible = [bool(member_gaps) and gap_eligible(s) for s in specs]
+    res = search(
+        specs,
+        m,
+        a,
+        gap_eligible=eligible,
+        max_orders=max_orders,
+        force_gaps=member_gaps == "always",
+    )
     placements = []
     for item, off in zip(res.items, res.offsets, strict=True):
         s = specs[item.index]
@@ -131,7 +140,7 @@ def _plan_cached(
                 name=s.name,
                 shape=s.shape,
                 offset=off,
-                block_rows=s.resolved_block_rows,
+                block_rows=s.member_rows if item.members > 1 else s.resolved_block_rows,
                 row_elems=s.row_elems,
                 members=item.members,
                 member_gap=item.gap,
@@ -148,14 +157,22 @@ def _plan_cached(
     )
 
 
-def gap_eligible(spec: TensorSpec, alignment: int) -> bool:
-    """Whether a stack can take member gaps: blocks fit in a member and align."""
-    return (
-        spec.stack
-        and spec.members > 1
-        and spec.resolved_block_rows <= spec.member_rows
-        and spec.block_elems % alignment == 0
-    )
+def check_member_gaps(member_gaps: object) -> bool | str:
+    """``member_gaps`` checked: False, True or ``"always"``.
+
+    Raises:
+        ValueError: anything else.
+    """
+    if isinstance(member_gaps, bool) or member_gaps == "always":
+        return member_gaps
+    raise ValueError(f"planner: member_gaps must be False, True or 'always', got {member_gaps!r}")
+
+
+def gap_eligible(spec: TensorSpec) -> bool:
+    """Whether a stack can take member gaps: it is cut only between members then, so
+    a member must be a whole number of its blocks (the member stride is rounded to the
+    alignment; a member's own size need not be)."""
+    return spec.stack and spec.members > 1 and spec.member_rows % spec.resolved_block_rows == 0
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -84,17 +84,13 @@ def lower_bound_shard_size(
     The largest of: ``ceil(total / m)``; the largest block (a block sits in one
     shard); both rounded up to the alignment; and the smallest such size that is a
     multiple of the block of every run long enough to contain a whole shard (see
-    ``next_admissible``). A stack that may get member gaps counts member by member,
-    since a gap may absorb a boundary.
+    ``next_admissible``). A stack that may get member gaps counts member by member
+    with its own block: a relaxation of both its gapped layout (cut only between
+    members) and its plain one.
     """
     total = sum(s.numel for s in specs)
-    runs: list[tuple[int, int]] = []
-    biggest_block = 1
-    for spec, eligible in zip(specs, gap_eligible, strict=True):
-        g = spec.block_elems
-        length = spec.member_numel if eligible else spec.numel
-        runs.append((length, g))
-        biggest_block = max(biggest_block, min(g, length))
+    runs = _runs(specs, gap_eligible)
+    biggest_block = max(1, *(min(g, length) for length, g in runs))
     S0 = max(-(-total // world_size), biggest_block)
     return next_admissible(S0, runs, alignment)
 
@@ -228,36 +224,34 @@ def plain_items(specs: Sequence[TensorSpec]) -> list[Item]:
 
 
 def gapped_items(
-    specs: Sequence[TensorSpec], eligible: Sequence[bool], S: int, a: int
+    specs: Sequence[TensorSpec], eligible: Sequence[bool], S: int, a: int, force: bool = False
 ) -> list[Item]:
     """Items for shard size ``S`` with every eligible stack given a member gap.
 
     A member no larger than a shard gets the stride that packs ``q = S // member``
     members per shard (rounded down to the alignment), so member starts repeat at
-    the same shard position; a larger member gets the smallest gap that makes it a
-    whole number of blocks (blocks then restart at every member: 128x128 tiles of
-    each expert stay whole). See [Note: member gaps].
+    the same shard position, and is cut only between members (its block is the
+    whole member: every rank holds whole members, see [Note: member gaps]). A stack
+    whose members are larger than a shard, or that needs no gap, stays plain; with
+    ``force``, one that needs no gap gets one of one alignment unit.
     """
     out = []
     for i, (s, ok) in enumerate(zip(specs, eligible, strict=True)):
         mu, g = s.member_numel, s.block_elems
-        if not ok:
-            out.append(Item(index=i, numel=s.numel, block=g))
-            continue
         stride = 0
-        q = S // mu
+        q = S // mu if ok else 0
         while q >= 1:
             p = (S // q) // a * a
             if p >= mu:
                 stride = p
                 break
             q -= 1
-        if not stride:
-            stride = ceil_to(ceil_to(mu, g), a)
-        if stride == mu:  # no gap needed: the plain item has the same cuts
-            out.append(Item(index=i, numel=s.numel, block=g))
+        if force and stride == mu:
+            stride += a
+        if stride > mu:
+            out.append(Item(index=i, numel=mu, block=mu, members=s.members, stride=stride))
         else:
-            out.append(Item(index=i, numel=mu, block=g, members=s.members, stride=stride))
+            out.append(Item(index=i, numel=s.numel, block=g))
     return out
 
 
@@ -277,12 +271,14 @@ def search(
     *,
     gap_eligible: Sequence[bool],
     max_orders: int,
+    force_gaps: bool = False,
 ) -> SearchResult:
     """Find a small feasible shard size and its offsets. See [Note: the search].
 
     Layouts without member gaps are searched first; if some stack may take gaps,
-    layouts with gaps are then searched below that size, and the smaller wins.
-    The reported lower bound holds over both.
+    layouts with gaps are then searched below that size, and the smaller wins
+    (with ``force_gaps``, at any size, and they win whenever one is found). The
+    reported lower bound holds over both.
     """
     m, a = world_size, alignment
     no_gaps = [False] * len(specs)
@@ -300,21 +296,21 @@ def search(
         raise AssertionError("planner: the single-shard layout did not fit (a bug)")
     lb = lb_plain
     if any(gap_eligible):
-        lb = lower_bound_shard_size(specs, m, a, gap_eligible)
+        lb = min(lb_plain, lower_bound_shard_size(specs, m, a, gap_eligible))
         gap_runs = _runs(specs, gap_eligible)
         found = _search_family(
-            lambda S: gapped_items(specs, gap_eligible, S, a),
+            lambda S: gapped_items(specs, gap_eligible, S, a, force_gaps),
             orders,
             gap_runs,
             lb,
-            best[0],
+            4 * ub + a if force_gaps else best[0],
             m,
             a,
             counter,
         )
         if found is not None:
             best = found
-    if best[0] > lb_plain:
+    if best[0] > lb_plain and not (force_gaps and any(it.members > 1 for it in best[1])):
         better = _improve(best[0], lb_plain, orders, plain, plain_runs, m, a, counter)
         if better is not None and (best is None or better[0] < best[0]):
             best = better
@@ -441,6 +437,8 @@ def _search_family(
 
 
 def _runs(specs: Sequence[TensorSpec], gap_eligible: Sequence[bool]) -> list[tuple[int, int]]:
+    """``(run length, block)`` of each tensor; a gap-eligible stack counts member by
+    member (gapped or not, none of its runs is shorter, and no block of it smaller)."""
     return [
         (s.member_numel if ok else s.numel, s.block_elems)
         for s, ok in zip(specs, gap_eligible, strict=True)

@@ -13,6 +13,11 @@ forced (``buffer_alpha_bytes`` negative: every cut the planner finds is taken).
   all-gathers and reduce-scatters once per group per step.
 - A checkpoint saved with multi-buffer groups loads into one-buffer groups and back,
   and the resumed losses equal the uninterrupted run's.
+
+Every case also forces member gaps (``member_gaps="always"``): moe-tiny's stacks of
+experts lie with padding between members, each rank holding whole members as a strided
+view of its shard (``_assert_gapped``); llama-tiny has no stacks. The checkpoints cross
+between gapped and plain layouts.
 """
 
 from __future__ import annotations
@@ -41,7 +46,8 @@ ROUNDED_STEPS = 3  # AdamW8bit and Muon: see the module docstring
 GIVEN_STEPS = 10  # steps given one process's gradients
 MODELS = ("llama-tiny", "moe-tiny")
 OPTIMS = ("sgd", "adamw", "adamw8bit", "muon")
-SPLIT = dict(max_buffers=3, buffer_alpha_bytes=-(1 << 30))  # take every cut found
+# take every cut found, and gap every stack of experts (moe-tiny's w1/w2/w3)
+SPLIT = dict(max_buffers=3, buffer_alpha_bytes=-(1 << 30), member_gaps="always")
 
 
 def _data():
@@ -104,6 +110,7 @@ def _check_parity(name, opt_name, rank, world, ref):
     model = _model(name, mesh, opt_name)
     views = buffers_of(model.layers[0])
     assert len(views) >= 2, [len(v.params) for v in views]  # the block's group is split
+    _assert_gapped(model)
     losses = _train(model, _optimizer(model, opt_name), range(_steps(opt_name)), rank, world)
     ref_losses, ref_params = ref
     worst = max(abs(a - b) for a, b in zip(losses, ref_losses))
@@ -112,6 +119,21 @@ def _check_parity(name, opt_name, rank, world, ref):
         full = _full(model)
         for k, v in ref_params.items():
             torch.testing.assert_close(full[k], v, rtol=0, atol=1e-5, msg=k)
+
+
+def _assert_gapped(model):
+    """Every stack of experts lies with gaps between its members, each rank holding
+    whole members as a strided view of its shard (none in llama-tiny)."""
+    for n, p in model.named_parameters():
+        if p.dim() != 3:
+            continue
+        buf, s = raggedfsdp.fsdp.buffer_of(p)
+        placed = buf.layout[s.fqn]
+        assert placed.members == p.shape[0] and placed.member_gap > 0, (n, placed)
+        local = p._local_tensor
+        assert local.shape[1:] == p.shape[1:] and s.view(buf.shard).data_ptr() == local.data_ptr()
+        if local.shape[0] > 1:
+            assert local.stride(0) == placed.member_stride > local[0].numel(), n
 
 
 def _piece(full: torch.Tensor, like: DTensor) -> torch.Tensor:
@@ -146,6 +168,7 @@ def _check_given_grads(name, opt_name, rank, world, ref):
     grads, states, final = ref
     model = _model(name, init_device_mesh("cpu", (world,)), opt_name)
     assert len(buffers_of(model.layers[0])) >= 2  # the block's group is split
+    _assert_gapped(model)
     opt = _optimizer(model, opt_name)
     rows = _data()[0][rank * ROWS // world :][: ROWS // world]
     lm_loss(model(rows[:, :-1]), rows[:, 1:]).backward()  # every .grad a view of its storage
@@ -200,6 +223,7 @@ def _check_checkpoint(name, rank, world, root):
     save; load that back into split groups: every resumed loss equals the uninterrupted."""
     mesh = init_device_mesh("cpu", (world,))
     model = _model(name, mesh, "adamw")
+    _assert_gapped(model)
     opt = _optimizer(model, "adamw")
     _train(model, opt, range(3), rank, world)
     checkpoint.save(f"{root}/{name}/a", model, opt, step=3)
@@ -224,6 +248,7 @@ def _check_errors(world):
     model = Transformer(get_config("llama-tiny"), max_seq_len=SEQ, seed=0)
     for bad, match in [
         (dict(max_buffers=0), r"max_buffers must be an int >= 1, got 0; pass 1"),
+        (dict(member_gaps="yes"), r"member_gaps must be True, False or 'always', got 'yes'"),
         (
             dict(buffer_alpha_bytes=1.5),
             r"buffer_alpha_bytes must be an int \(bytes\) or None, got 1.5",
@@ -248,7 +273,8 @@ def _grid(rank, world, refs, root):
     if world == 4:
         for m in MODELS:
             cases[f"copies and bytes {m}"] = partial(_check_copies_and_bytes, m, rank, world)
-        cases["checkpoint llama-tiny"] = partial(_check_checkpoint, "llama-tiny", rank, world, root)
+        for m in MODELS:
+            cases[f"checkpoint {m}"] = partial(_check_checkpoint, m, rank, world, root)
         cases["errors"] = partial(_check_errors, world)
     run_cases(cases)
 

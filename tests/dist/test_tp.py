@@ -254,6 +254,9 @@ def _check_errors(rank):
     with pytest.raises(ValueError, match=r"'attention.wq.weight'.*is one of the fully_shard"):
         raggedfsdp.fully_shard(block, mesh=mesh["tp"])
     assert all(not isinstance(p, RaggedShard) for p in block.parameters())
+    with pytest.raises(NotImplementedError, match=r"member_gaps=True with tensor parallelism"):
+        raggedfsdp.fully_shard(block, mesh=mesh["dp"], member_gaps=True)
+    assert raggedfsdp.fsdp.buffer_of(block.attention.wq.weight) is None  # untouched
 
 
 def _tp_of(mesh):

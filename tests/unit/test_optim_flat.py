@@ -33,7 +33,15 @@ ADAMW = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
 def _buffer(*specs):
     """ParamSlices of a buffer: one ``(start, stop, requires_grad)`` per parameter."""
     return [
-        ParamSlice(f"p{i}", nn.Parameter(torch.zeros(stop - start)), start, stop, trainable)
+        ParamSlice(
+            f"p{i}",
+            nn.Parameter(torch.zeros(stop - start)),
+            start,
+            stop,
+            trainable,
+            (stop - start,),
+            (1,),
+        )
         for i, (start, stop, trainable) in enumerate(specs)
     ]
 

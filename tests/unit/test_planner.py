@@ -262,6 +262,43 @@ def test_gapped_strided_view_matches_local_ranges():
         assert np.array_equal(got, flat[a:b])
 
 
+@pytest.mark.parametrize("world, gaps", [(6, True), (2, "always"), (3, "always"), (6, "always")])
+def test_gapped_stacks_are_cut_between_members_and_viewed_whole(world, gaps):
+    """A gapped stack's ranks hold whole members (RaggedShard over dim 0, one unit per
+    member); ``local_view_args`` views them in the rank's shard with the member stride."""
+    specs = _gapped_specs()
+    layout = plan_buffer(specs, world, dtype="float32", alignment_bytes=4, member_gaps=gaps)
+    t = layout["experts"]
+    assert t.members == 12 and t.member_gap > 0 and t.block_rows == 1  # a member is 1 row
+    dims, units = layout.ragged_shard_args("experts")
+    assert dims == (0,) and sum(units) == 12
+    S = layout.shard_size
+    buf = np.zeros(layout.global_size, dtype=np.float32)
+    size, stride, offset = layout.unsharded_view_args("experts")
+    full = np.arange(math.prod(size), dtype=np.float32).reshape(size) + 1
+    np.lib.stride_tricks.as_strided(buf[offset:], size, tuple(4 * d for d in stride))[...] = full
+    first = 0
+    for r in range(world):
+        size, stride, offset = layout.local_view_args("experts", r)
+        assert size == (units[r], 1, 5)
+        shard = buf[r * S : (r + 1) * S]
+        local = np.lib.stride_tricks.as_strided(shard[offset:], size, tuple(4 * d for d in stride))
+        assert np.array_equal(local, full[first : first + units[r]])
+        assert np.count_nonzero(shard) == local.size  # nothing else of it on this rank
+        first += units[r]
+
+
+def test_member_gaps_always_gaps_what_plain_packs_tightly():
+    spec = TensorSpec(name="e", shape=(8, 4, 8), block_rows=4, stack=True)
+    plain = plan_buffer([spec], 4, dtype="float32", alignment_bytes=16, member_gaps=True)
+    assert plain["e"].members == 1 and plain.padding == 0  # a gap would only cost
+    forced = plan_buffer([spec], 4, dtype="float32", alignment_bytes=16, member_gaps="always")
+    assert forced["e"].members == 8 and forced["e"].member_gap == 4  # one alignment unit
+    assert forced.padding >= forced.lower_bound_padding
+    with pytest.raises(ValueError, match=r"member_gaps must be False, True or 'always', got 'y'"):
+        plan_buffer([spec], 4, member_gaps="y")
+
+
 def test_plain_view_is_contiguous():
     layout = plan_buffer(
         [TensorSpec(name="w", shape=(4, 3, 2))], 2, dtype="float32", alignment_bytes=4
