@@ -369,12 +369,6 @@ def _train(args, where: Where) -> int:
                 log.write(_dumps({**record, "non_finite": True}) + "\n")
                 log.close()
             raise _diverged(step, loss, bool(bad), ckpt_root)
-        if args.ckpt_every and ((step + 1) % args.ckpt_every == 0 or step + 1 == end):
-            where.at("checkpoint save", step)
-            try:
-                ckpt.save(ckpt_root, model, opt, step=step + 1, keep_last=args.keep_last)
-            except Exception as err:
-                raise _checkpoint_error(err, f"step {step}: the checkpoint was not saved") from err
         if args.val_every and ((step + 1) % args.val_every == 0 or step + 1 == args.steps):
             where.at("validation forward", step)
             with torch.no_grad():
@@ -384,12 +378,20 @@ def _train(args, where: Where) -> int:
                 ]
             where.at("the validation loss all-reduce", step, group=dist.group.WORLD)
             record["val_loss"] = mean(torch.stack(vals).mean())
+        # The step's record is on disk before its checkpoint: a job killed right after the
+        # save must not resume past a step it never logged.
         if rank == 0:
             log.write(_dumps(record) + "\n")
             log.flush()
             if bar is not None:
                 bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens / dt:,.0f}")
                 bar.update(1)
+        if args.ckpt_every and ((step + 1) % args.ckpt_every == 0 or step + 1 == end):
+            where.at("checkpoint save", step)
+            try:
+                ckpt.save(ckpt_root, model, opt, step=step + 1, keep_last=args.keep_last)
+            except Exception as err:
+                raise _checkpoint_error(err, f"step {step}: the checkpoint was not saved") from err
     if bar is not None:
         bar.close()
     # Extra steps after training, counted (comms, copies) and tracked (memory): the

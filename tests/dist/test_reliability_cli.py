@@ -56,9 +56,9 @@ def _run(out: Path, *extra: str, code: int = 0) -> str:
 class _Job:
     """A job in the background, its output collected line by line."""
 
-    def __init__(self, out: Path, *extra: str):
+    def __init__(self, out: Path, *extra: str, env: dict | None = None):
         self.proc = subprocess.Popen(
-            _cmd(out, *extra), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            _cmd(out, *extra), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
         )
         self.lines: list[str] = []
         threading.Thread(target=self._read, daemon=True).start()
@@ -143,22 +143,44 @@ def _names(*steps: int) -> list[str]:
 
 
 # ---- items 1, 6 (launcher killed), 5 (sgd, adamw8bit), 7 (--val-every 0) ---------------
+# The launcher is killed at the worst instruction for the metrics: the first after a
+# checkpoint lands (CI met it by chance: the resumed run logged steps 0, 2, 3, 4). Rank 0,
+# the one that logs, kills it right after the save of step 2; every rank leaves its pid.
+_KILL_LAUNCHER_AFTER_SAVE = """
+import os, signal
+from pathlib import Path
+if "RANK" in os.environ:
+    Path(__file__).with_name(f"rank{os.environ['RANK']}.pid").write_text(str(os.getpid()))
+if os.environ.get("RANK") == "0":
+    from raggedfsdp import checkpoint
+    _save = checkpoint.save
+    def save(*args, step, **kwargs):
+        _save(*args, step=step, **kwargs)
+        if step == 2:
+            os.kill(int(os.environ["RAGGEDFSDP_LAUNCHER_PID"]), signal.SIGKILL)
+    checkpoint.save = save
+"""
+
+
 def test_a_run_owns_its_folder(tmp_path, capsys):
     out = tmp_path / "run"
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(_KILL_LAUNCHER_AFTER_SAVE)
+    path = os.pathsep.join([str(hook), os.environ.get("PYTHONPATH", "")])
     sgd = ["--optim", "sgd", "--ckpt-every", "2", "--keep-last", "2"]
-    job = _Job(out, *sgd, "--steps", "100000")  # would train for a long while
+    job = _Job(out, *sgd, "--steps", "100000", env={**os.environ, "PYTHONPATH": path})
     ranks = []
     try:
-        job.wait_for(lambda: latest_checkpoint(out / "ckpt") is not None, "a first checkpoint")
-        ranks = job.ranks()
+        assert job.proc.wait(timeout=LIMIT) == -signal.SIGKILL, job.text()
+        ranks = [int(p.read_text()) for p in sorted(hook.glob("rank*.pid"))]
         assert len(ranks) == 2, job.text()
-        os.kill(job.proc.pid, signal.SIGKILL)  # the launcher dies: its ranks must follow
-        job.proc.wait(timeout=60)
         _wait(lambda: not any(_alive(r) for r in ranks), "the ranks to exit", 30)
     finally:
         for pid in [r for r in ranks if _alive(r)]:
             os.kill(pid, signal.SIGKILL)
         job.kill()
+    assert _saved(out) == _names(2)
     saved = int(latest_checkpoint(out / "ckpt").name[5:])
     run_id = json.loads((out / "run.json").read_text())["run_id"]
 
