@@ -704,10 +704,13 @@ def write_md(path, argv, rows, times, fine, ilp, ilp_multi, worlds, goal, elapse
         "split search weighs its parts with gaps, so it may settle on another split); "
         f"gapped stacks in the chosen plans, summed over the sweep: "
         f"{sum(r['mb4g_gapped'] for r in rows)}.",
-        "",
-        "| model | block rows | world | <= 4 buffers % | <= 4 buffers + gaps % |",
-        "|---|---:|---:|---:|---:|",
     ]
+    if helped4 or worse4:
+        lines += [
+            "",
+            "| model | block rows | world | <= 4 buffers % | <= 4 buffers + gaps % |",
+            "|---|---:|---:|---:|---:|",
+        ]
     for r in sorted(helped4 + worse4, key=lambda r: r["mb4g_pad"] - r["mb4_pad"])[:12]:
         lines.append(
             f"| {r['model']} | {r['block_rows']} | {r['world']} | {pct(r['mb4_pad'])} | "
