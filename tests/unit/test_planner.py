@@ -6,11 +6,12 @@ import math
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from raggedfsdp.planner import (
     DEFAULT_ALIGNMENT_BYTES,
+    WHOLE,
     BufferLayout,
     TensorPlacement,
     TensorSpec,
@@ -32,7 +33,9 @@ def brute_check(layout: BufferLayout, specs: list[TensorSpec]) -> None:
     for ti, t in enumerate(layout.tensors):
         spec = by_name[t.name]
         assert t.shape == spec.shape and t.offset % a == 0
-        k = spec.resolved_block_rows
+        # a stack laid out with member gaps is cut only between members: its block is one
+        # whole member ([Note: member gaps])
+        k = spec.member_rows if t.members > 1 else spec.resolved_block_rows
         assert t.block_rows == k
         # buffer position and block id of every element of the flattened tensor
         idx = np.arange(spec.numel)
@@ -86,6 +89,18 @@ def instances(draw, max_world: int = 8, max_tensors: int = 8, gaps: bool = True)
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(instances())
+@example(  # found by a random run: a gapped stack's block is one whole member
+    (
+        [
+            TensorSpec(name="t0", shape=(2, 3, 3), block_rows=1, stack=True),
+            TensorSpec(name="t1", shape=(1,), block_rows=WHOLE),
+            TensorSpec(name="t2", shape=(1,), block_rows=WHOLE),
+        ],
+        3,
+        8,
+        True,
+    )
+)
 def test_every_layout_satisfies_its_invariants(inst):
     specs, m, align_bytes, gaps = inst
     layout = plan_buffer(specs, m, dtype="float32", alignment_bytes=align_bytes, member_gaps=gaps)

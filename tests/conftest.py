@@ -1,0 +1,9 @@
+"""Hypothesis runs the same examples on every run (``derandomize``), so a CI verdict can be
+reproduced from the commit alone; ``pytest --hypothesis-profile=explore`` draws new ones
+(a failure it finds is printed with the example, to be pinned as a test)."""
+
+from hypothesis import settings
+
+settings.register_profile("reproducible", derandomize=True)
+settings.register_profile("explore", derandomize=False)
+settings.load_profile("reproducible")
