@@ -24,6 +24,7 @@ from raggedfsdp.planner import (
     DEFAULT_ALIGNMENT_BYTES,
     DEFAULT_MAX_BUFFERS,
     BufferLayout,
+    gap_eligible,
     plan_buffers,
 )
 
@@ -104,7 +105,9 @@ def fully_shard(
             and its local tensor is a strided view ``(n, out, in)`` of the shard (see
             [Note: member gaps] in ``raggedfsdp.planner``). ``"always"`` gaps every stack
             whose member fits in a shard, even where that pads more (to exercise the
-            layout). Not with tensor parallelism; FP8-gathered parameters are planned
+            layout). A stack sharded over its members by expert parallelism
+            (``Shard(0)``) takes gaps; one that tensor parallelism shards inside its
+            members raises NotImplementedError. FP8-gathered parameters are planned
             without gaps. Default False.
 
     Returns:
@@ -295,18 +298,32 @@ def _sharded_by(p) -> tuple[str, str] | None:
     return None if found is None else (found[0]._group.name, found[1].fqn)
 
 
+def _check_gaps_beside_tp(refs, specs, gaps) -> None:
+    """Member gaps lay a stack out member by member, each member whole on its rank. A stack
+    that tensor parallelism shards over its members (expert parallelism: ``Shard(0)``)
+    keeps whole members locally, so it takes gaps; one sharded inside its members
+    (``Shard(1)``, ``Shard(2)``) is not supported yet."""
+    for ref, spec in zip(refs, specs):
+        if ref.tp is None or not gap_eligible(spec):
+            continue
+        inside = [p for p in ref.tp.placements if not (p.is_replicate() or p == Shard(0))]
+        if inside:
+            raise NotImplementedError(
+                f"fully_shard: member_gaps={gaps!r} with {ref.fqn!r}, a stack of "
+                f"{spec.members} members that tensor parallelism shards inside its members "
+                f"({inside[0]!r}), is not supported yet; pass member_gaps=False (a stack sharded "
+                "over its members, Shard(0) as expert parallelism does, takes gaps)"
+            )
+
+
 def _new_group(
     refs, originals, mesh, mp_policy, block_policy, alignment_bytes, max_buffers, alpha, gaps, **kw
 ):
     """The group of one ``fully_shard`` call: one ``ParamGroup``, or a ``GroupSet`` of one
     per buffer where the planner splits it (see [Note: multi-buffer groups])."""
     specs, dtype = group_specs(refs, originals, mesh, block_policy)
-    if gaps and any(ref.tp is not None for ref in refs):
-        tp = next(ref.fqn for ref in refs if ref.tp is not None)
-        raise NotImplementedError(
-            f"fully_shard: member_gaps=True with tensor parallelism ({tp!r} is a TP DTensor) "
-            "is not supported yet; pass member_gaps=False"
-        )
+    if gaps:
+        _check_gaps_beside_tp(refs, specs, gaps)
     fp8 = mp_policy.all_gather
     selected = _fp8_selected(refs, specs, dtype, fp8, kw) if fp8 is not None else set()
     if selected:  # see [Note: FP8 all-gather]: selected tensors plan apart from the rest

@@ -78,6 +78,7 @@ from raggedfsdp.planner._plan import (
     DEFAULT_ALIGNMENT_BYTES,
     GroupPlan,
     clear_plan_cache,
+    gap_eligible,
     plan_buffer,
     plan_groups,
 )
@@ -96,6 +97,7 @@ __all__ = [
     "TensorSpec",
     "clear_plan_cache",
     "fsdp1_padding",
+    "gap_eligible",
     "fsdp2_padding",
     "plan_buffer",
     "plan_buffers",

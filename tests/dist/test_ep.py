@@ -3,7 +3,9 @@ experts sharded ``Shard(0)`` over ``ep`` (``expert_parallel``: tokens exchanged 
 all-to-alls), ``fully_shard(moe.experts, mesh=mesh["dp_mod_ep"])`` with the gradient
 divide factor of the whole data-parallel size, the rest of each block and the root over
 all 4 data-parallel ranks (as torchtitan does). Per-step losses and SGD parameters equal
-one process's and torch FSDP2's with the same parallelism."""
+one process's and torch FSDP2's with the same parallelism; with member gaps forced the
+experts lie gapped on every rank (whole members, strided) and SGD still equals one
+process."""
 
 from __future__ import annotations
 
@@ -92,6 +94,28 @@ def _check_parity(opt_name, rank, refs):
             torch.testing.assert_close(full[k], v, rtol=0, atol=1e-5, msg=k)
 
 
+def _check_gaps(rank, refs):
+    """Member gaps beside EP: each ep rank's experts lie gapped in their buffer, every rank
+    holding whole members as a strided view, and SGD still equals one process."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_mod_ep", "ep"))
+    ours = _model(mesh, partial(raggedfsdp.fully_shard, member_gaps="always"))
+    for n, p in ours.named_parameters():
+        if ".experts." in n:
+            buf, s = raggedfsdp.fsdp.buffer_of(p)
+            placed = buf.layout[s.fqn]
+            assert placed.members == p.shape[0] // 2 and placed.member_gap > 0, (n, placed)
+            local = p._local_tensor
+            assert s.view(buf.shard).data_ptr() == local.data_ptr(), n
+            if local.shape[0] > 1:
+                assert local.stride(0) == placed.member_stride > local[0].numel(), n
+    ref_losses, ref_params = refs["sgd"]
+    losses = _train(ours, rank, "sgd")
+    assert max(abs(a - b) for a, b in zip(losses, ref_losses)) <= 1e-5, (losses, ref_losses)
+    full = _full(ours)
+    for k, v in ref_params.items():
+        torch.testing.assert_close(full[k], v, rtol=0, atol=1e-5, msg=k)
+
+
 def _check_errors(rank):
     mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("ep",))
     moe = next(b for b in _model(None, None).transformer_blocks() if b.is_moe).moe
@@ -104,6 +128,7 @@ def _grid(rank, world, refs):
     run_cases(
         {
             **{f"parity {o}": partial(_check_parity, o, rank, refs) for o in ("sgd", "adamw")},
+            "member gaps": partial(_check_gaps, rank, refs),
             "errors": partial(_check_errors, rank),
         }
     )

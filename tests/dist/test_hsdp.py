@@ -2,7 +2,8 @@
 Parameters are ``(Replicate(), RaggedShard)``; all-gathers and reduce-scatters cross
 the shard dim only, one all-reduce per group crosses the replicate dim; per-step
 losses and final parameters equal one process's, and FSDP2's HSDP on the same mesh;
-``set_requires_all_reduce(False)`` accumulates as FSDP2 does."""
+``set_requires_all_reduce(False)`` accumulates as FSDP2 does; a checkpoint saved on it
+with member gaps loads into 4-rank FSDP without them."""
 
 from __future__ import annotations
 
@@ -49,11 +50,11 @@ def _train(model, rank, world, *, microbatches=1, setup=lambda m, i: None):
     return losses, {k: v.detach() for k, v in model.named_parameters()}
 
 
-def _sharded(fully_shard, name, mesh):
+def _sharded(fully_shard, name, mesh, **kw):
     model = Transformer(get_config(name), max_seq_len=SEQ, seed=0)
     for block in model.transformer_blocks():
-        fully_shard(block, mesh=mesh)
-    return fully_shard(model, mesh=mesh)
+        fully_shard(block, mesh=mesh, **kw)
+    return fully_shard(model, mesh=mesh, **kw)
 
 
 def _check_parity(name, rank, ref):
@@ -96,12 +97,18 @@ def _check_accumulation(rank):
 
 
 def _check_checkpoint_to_fsdp(rank, root):
-    """Save on the 2x2 HSDP mesh, load on 4-rank FSDP (and back): the same values."""
+    """Save on the 2x2 HSDP mesh, its experts laid out with member gaps, load on 4-rank
+    FSDP without gaps: the same values."""
     from raggedfsdp import checkpoint
 
     hsdp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     flat = init_device_mesh("cpu", (WORLD,))
-    model = _sharded(raggedfsdp.fully_shard, "moe-tiny", hsdp)
+    model = _sharded(raggedfsdp.fully_shard, "moe-tiny", hsdp, member_gaps="always")
+    stacks = [p for n, p in model.named_parameters() if ".experts." in n]
+    assert stacks and all(
+        (found := raggedfsdp.fsdp.buffer_of(p))[0].layout[found[1].fqn].member_gap > 0
+        for p in stacks
+    )
     opt = raggedfsdp.optim.AdamW(model.parameters(), lr=1e-2)
     x = _data()[0][2 * rank : 2 * rank + 2]
     lm_loss(model(x[:, :-1]), x[:, 1:]).backward()

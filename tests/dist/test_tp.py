@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.fsdp as torch_fsdp
 from torch import nn
-from torch.distributed.tensor import Replicate, Shard, init_device_mesh
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor, init_device_mesh
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     RowwiseParallel,
@@ -254,9 +254,20 @@ def _check_errors(rank):
     with pytest.raises(ValueError, match=r"'attention.wq.weight'.*is one of the fully_shard"):
         raggedfsdp.fully_shard(block, mesh=mesh["tp"])
     assert all(not isinstance(p, RaggedShard) for p in block.parameters())
-    with pytest.raises(NotImplementedError, match=r"member_gaps=True with tensor parallelism"):
-        raggedfsdp.fully_shard(block, mesh=mesh["dp"], member_gaps=True)
-    assert raggedfsdp.fsdp.buffer_of(block.attention.wq.weight) is None  # untouched
+    # member gaps: a stack of experts that TP shards inside its members (Shard(1)) is
+    # refused before anything changes (sharded over its members, as by EP: test_ep.py).
+    experts = nn.Module()
+    full = torch.randn(4, 8, 6)
+    experts.w1 = nn.Parameter(distribute_tensor(full, mesh["tp"], [Shard(1)]))
+    with pytest.raises(
+        NotImplementedError,
+        match=r"member_gaps=True with 'w1', a stack of 4 members that tensor parallelism "
+        r"shards inside its members \(Shard\(dim=1\)\), is not supported yet; pass "
+        r"member_gaps=False",
+    ):
+        raggedfsdp.fully_shard(experts, mesh=mesh["dp"], member_gaps=True)
+    assert raggedfsdp.fsdp.buffer_of(experts.w1) is None  # untouched
+    assert torch.equal(experts.w1.full_tensor(), full)
 
 
 def _tp_of(mesh):
