@@ -36,6 +36,7 @@ import re
 from dataclasses import dataclass
 
 from raggedfsdp._mesh_arg import parse_mesh_pairs
+from raggedfsdp.planner import DEFAULT_MAX_BUFFERS
 
 __all__ = ["MeshSpec", "check_args", "parse_train_mesh"]
 
@@ -258,9 +259,20 @@ def _check_numbers(args, world: int, mesh: MeshSpec) -> None:
         raise ValueError(
             f"train: --block-rows must be a positive int or 'whole', got {args.block_rows!r}"
         )
+    if args.max_buffers < 1:
+        raise ValueError(f"train: --max-buffers must be >= 1, got {args.max_buffers}")
     if args.backend == "fsdp2":
         if args.optim in ("flat-adamw", "muon", "adamw8bit"):
             raise ValueError(f"train: --optim {args.optim} runs on the raggedfsdp backend only")
+        for flag, value, default in (
+            ("--max-buffers", args.max_buffers, DEFAULT_MAX_BUFFERS),
+            ("--member-gaps", args.member_gaps, "off"),
+        ):
+            if value != default:
+                raise ValueError(
+                    f"train: {flag} applies to the raggedfsdp backend only (FSDP2 gives each "
+                    "parameter its own chunks); drop it or pass --backend raggedfsdp"
+                )
         if args.block_rows != "1":
             raise ValueError(
                 "train: --block-rows applies to the raggedfsdp backend only (FSDP2 shards "

@@ -19,6 +19,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from raggedfsdp.planner import DEFAULT_MAX_BUFFERS
 from raggedfsdp.train._checks import TRAIN_MODELS, check_args
 
 BACKENDS = ("raggedfsdp", "fsdp2")
@@ -42,6 +43,21 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         help="auto (all but the root, FSDP2's default), true, false, or an int that "
         "divides the world size (1-D mesh only)",
+    )
+    g.add_argument(
+        "--max-buffers",
+        type=int,
+        default=DEFAULT_MAX_BUFFERS,
+        help="raggedfsdp: at most K communication buffers per fully_shard group, split where "
+        "that saves more padding than a collective costs (fully_shard(max_buffers=))",
+    )
+    g.add_argument(
+        "--member-gaps",
+        default="off",
+        choices=("off", "on", "always"),
+        help="raggedfsdp: padding between the members of a stack of experts, each rank holding "
+        "whole experts: on where it lowers the padding, always to exercise the layout "
+        "(fully_shard(member_gaps=))",
     )
     g.add_argument("--bf16", action="store_true", help="bf16 parameters, fp32 gradient reduction")
     g.add_argument(

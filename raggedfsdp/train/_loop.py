@@ -103,7 +103,13 @@ def _shard(model: Transformer, args, spec: MeshSpec, mesh) -> dict[str, tuple]:
         from raggedfsdp import MixedPrecisionPolicy, fully_shard
 
         policy = block_policy(args, model, spec.shard)  # the shard group's ranks
-        kw = dict(reshard_after_forward=raf, block_policy=policy)
+        gaps = {"off": False, "on": True, "always": "always"}[args.member_gaps]
+        kw = dict(
+            reshard_after_forward=raf,
+            block_policy=policy,
+            max_buffers=args.max_buffers,
+            member_gaps=gaps,
+        )
     if args.bf16:
         kw["mp_policy"] = MixedPrecisionPolicy(
             param_dtype=torch.bfloat16, reduce_dtype=torch.float32
@@ -194,6 +200,18 @@ def padding_ratio(model: nn.Module, backend: str, split: dict[str, tuple]) -> fl
 
     layouts = [buf.layout for buf in buffers_of(model)]
     return sum(lay.padding for lay in layouts) / sum(lay.total_numel for lay in layouts)
+
+
+def buffer_counts(model: nn.Module, backend: str) -> dict:
+    """This rank's communication buffers and the stacks laid out with member gaps in them
+    (``None`` for FSDP2, which has no buffers)."""
+    if backend == "fsdp2":
+        return {"buffers": None, "gapped_stacks": None}
+    from raggedfsdp.fsdp import buffers_of
+
+    layouts = [buf.layout for buf in buffers_of(model)]
+    gapped = sum(t.members > 1 for lay in layouts for t in lay.tensors)
+    return {"buffers": len(layouts), "gapped_stacks": gapped}
 
 
 def _clip(model, args, spec: MeshSpec) -> None:
@@ -413,6 +431,7 @@ def _train(args, where: Where) -> int:
         "median_step_s": statistics.median(steady),
         "tokens_per_s": tokens / statistics.median(steady),
         "padding_ratio": padding_ratio(model, args.backend, split),
+        **buffer_counts(model, args.backend),
         "final_loss": loss,
         **measured,
     }

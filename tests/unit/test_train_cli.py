@@ -35,6 +35,15 @@ def test_help_documents_every_option(capsys):
             r"must be auto, true, false or a factor of the world size 4",
         ),
         (["--block-rows", "0"], r"--block-rows must be a positive int or 'whole', got '0'"),
+        (["--max-buffers", "0"], r"--max-buffers must be >= 1, got 0"),
+        (
+            ["--backend", "fsdp2", "--member-gaps", "on"],
+            r"--member-gaps applies to the raggedfsdp backend only .*pass --backend raggedfsdp",
+        ),
+        (
+            ["--backend", "fsdp2", "--max-buffers", "2"],
+            r"--max-buffers applies to the raggedfsdp backend only",
+        ),
         (
             ["--backend", "fsdp2", "--optim", "muon"],
             r"--optim muon runs on the raggedfsdp backend only",
