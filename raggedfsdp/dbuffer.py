@@ -126,7 +126,9 @@ class DBuffer:
         return flat[offset:].as_strided(size, stride)
 
     def shard_view(self, name: str) -> torch.Tensor:
-        """This rank's part of ``name`` in the shard storage, shaped ``(rows, *rest)``."""
+        """This rank's part of ``name`` in the shard storage, shaped as its local tensor:
+        ``(rows, *rest)``, or ``(n, out, in)`` for a stack with member gaps (a strided
+        view, whole members ``member_stride`` apart)."""
         return self.local_view(self.shard, name)
 
     def shard_grad_view(self, name: str) -> torch.Tensor:

@@ -108,7 +108,9 @@ def fully_shard(
             layout). A stack sharded over its members by expert parallelism
             (``Shard(0)``) takes gaps; one that tensor parallelism shards inside its
             members raises NotImplementedError. FP8-gathered parameters are planned
-            without gaps. Default False.
+            without gaps. torch warns once in backward that such a stack's gradient does
+            not "obey the gradient layout contract": expected, as the gradient is added
+            in place into the stack's strided span (no copy). Default False.
 
     Returns:
         ``module`` (or the list), now ``FSDPModule``s.

@@ -82,6 +82,13 @@ class ParamSlice:
             return flat[self.start : self.stop].view(self.size)
         return flat[self.start :].as_strided(self.size, self.stride)
 
+    def positions(self, device: torch.device) -> torch.Tensor:
+        """The shard-storage positions of this part's elements, in the local tensor's
+        order (1D int64, ``numel`` long): an index into any flat state laid out as the
+        shard, which skips member gaps."""
+        idx = torch.arange(self.start, self.stop, device=device)
+        return idx if self.contiguous else idx.as_strided(self.size, self.stride).reshape(-1)
+
 
 class BufferView:
     """One flat buffer of a ``fully_shard`` group, read through (see the module docstring).

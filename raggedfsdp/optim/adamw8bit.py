@@ -56,7 +56,13 @@ tensors with one entry per block of the shard (the gaps between 8-bit parameters
 count as blocks too); ``state[p]`` holds views. A buffer that [Note: whole-buffer
 steps] (``_flat.py``) lets step whole is updated with a fixed number of kernels
 (plus one per run of equal weight decay); every other parameter steps alone over
-the same views.
+the same views. A stack laid out with member gaps (``fully_shard(member_gaps=True)``)
+keeps its codes in the same flat tensors, at its members' positions: each member's
+last quantization block is stretched over the gap after it (the gap's moments stay
+zero, so they change no scale, and nothing reads them back into the parameter), so its
+codes and scales are still those of one process. Such a parameter stepping alone,
+outside a whole-buffer step, is gathered into one contiguous copy and written back
+(one copy each way).
 """
 
 from __future__ import annotations
@@ -418,7 +424,7 @@ class AdamW8bit(FlatOptimizer):
                 continue
             start, stop = s.start, s.stop
             if not self.is_8bit(s.param):
-                small_index.append(s.view(torch.arange(S, device=device)).reshape(-1))
+                small_index.append(s.positions(device))
                 small_ranges[s.fqn] = (n_small, n_small + s.numel)
                 n_small += s.numel
                 continue
@@ -542,7 +548,8 @@ class AdamW8bit(FlatOptimizer):
         lr, (beta1, beta2), eps = h["lr"], h["betas"], h["eps"]
         grad = local(p.grad).reshape(-1).float()
         if "exp_avg" in state:
-            param, m, v = _flat(local(p)), *(_flat(local(state[key])) for key in _MOMENTS)
+            # the states are contiguous (a view: written in place); only param may be gapped
+            param, m, v = _flat(local(p)), *(local(state[key]).view(-1) for key in _MOMENTS)
             _moments(m, v, grad, beta1, beta2)
             _update(param, m, v, step, lr, beta1, beta2, eps)
             _write_back(local(p), param)
@@ -550,7 +557,7 @@ class AdamW8bit(FlatOptimizer):
         pq = self._param_quant_of(p)
         param = _flat(local(p))
         maps = (dynamic_tree_map(True, param.device), dynamic_tree_map(False, param.device))
-        codes = [_flat(local(state[f"{key}_codes"])) for key in _MOMENTS]
+        codes = [local(state[f"{key}_codes"]).view(-1) for key in _MOMENTS]
         scales = [local(state[f"{key}_scales"]).view(-1) for key in _MOMENTS]
         m, v = (dequantize(c, s, pq.blocks, q) for c, s, q in zip(codes, scales, maps))
         _moments(m, v, grad, beta1, beta2)

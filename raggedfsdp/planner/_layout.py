@@ -34,9 +34,9 @@ class TensorPlacement:
         member_gap: padding elements after each member but the last. Default 0.
 
     With ``members == 1`` blocks are ``block_rows`` rows of the flattened tensor.
-    With ``members > 1`` blocks restart at each member (a member's last block may
-    be shorter) and member ``i`` starts at ``offset + i * member_stride``. See
-    [Note: member gaps] in ``raggedfsdp.planner``.
+    With ``members > 1`` a block is one whole member (``block_rows`` is the member's
+    rows: the stack is cut only between members) and member ``i`` starts at
+    ``offset + i * member_stride``. See [Note: member gaps] in ``raggedfsdp.planner``.
     """
 
     name: str
@@ -237,8 +237,10 @@ class BufferLayout:
         """Buffer elements of ``name`` on ``rank``, relative to the rank's shard storage.
 
         Returns ``(start, stop)`` with ``0 <= start <= stop <= S``; ``start == stop``
-        when the rank holds none of the tensor. With member gaps the range includes
-        the gaps between the members it covers.
+        when the rank holds none of the tensor. With member gaps the range is the
+        tensor's span clipped to the shard: gaps included, also a gap (or its end)
+        before the rank's first member or after its last; ``local_view_args`` gives
+        the members themselves.
         """
         self._check_rank(rank)
         t, S = self[name], self.shard_size
@@ -279,7 +281,8 @@ class BufferLayout:
         ``raggedfsdp.placement.RaggedShard.from_layout`` builds the placement from them.
 
         ``dims`` is every dim but the last (``(0,)`` for a 1-D tensor, whose one
-        block is the whole tensor); their product, the row count, is cut into
+        block is the whole tensor; ``(0,)`` for a stack with member gaps, cut into
+        whole members); their product, the row count, is cut into
         ``sum(local_units)`` units of ``unit_rows`` rows.
 
         Raises:
@@ -307,7 +310,7 @@ class BufferLayout:
         size = ((hi - lo) // row, *rest)
         stride = [1] * len(size)
         for d in range(len(size) - 2, -1, -1):
-            stride[d] = stride[d + 1] * size[d + 1] if d else row
+            stride[d] = stride[d + 1] * size[d + 1]
         if hi == lo:
             return size, tuple(stride), 0
         if t.members > 1:

@@ -303,7 +303,7 @@ def search(
             orders,
             gap_runs,
             lb,
-            4 * ub + a if force_gaps else best[0],
+            _forced_gap_cap(specs, gap_eligible, ub, a) if force_gaps else best[0],
             m,
             a,
             counter,
@@ -316,6 +316,17 @@ def search(
             best = better
     S, items, offsets = best
     return SearchResult(S, lb, items, offsets, tried=counter[0])
+
+
+def _forced_gap_cap(specs: Sequence[TensorSpec], eligible: Sequence[bool], ub: int, a: int) -> int:
+    """A shard size below which forced gaps are searched: every stack gapped in one shard
+    (each member rounded up to the alignment plus a gap of one unit) fits under it, so
+    ``member_gaps="always"`` gaps every eligible stack whose member fits in a shard."""
+    one_shard = sum(
+        s.members * (ceil_to(s.member_numel, a) + a) if ok else ceil_to(s.numel, a)
+        for s, ok in zip(specs, eligible, strict=True)
+    )
+    return max(4 * ub, 2 * one_shard) + a
 
 
 def _improve(

@@ -72,7 +72,8 @@ class TensorSpec:
             whole tensor, or for a stack each whole member matrix. Default 1.
         stack: dim 0 indexes members of a fused stack (MoE experts ``[E, out, in]``).
             A stack may get padding between its members when the plan allows
-            member gaps; with a gap, blocks restart at each member. Default False.
+            member gaps; with a gap, it is cut only between members (a block is
+            one whole member). Default False.
 
     Raises:
         ValueError: a bad shape or block, naming the tensor and the fix.

@@ -9,6 +9,7 @@ runs the same rule on real buffers.
 from __future__ import annotations
 
 import ast
+import math
 from pathlib import Path
 
 import pytest
@@ -44,6 +45,30 @@ def _buffer(*specs):
         )
         for i, (start, stop, trainable) in enumerate(specs)
     ]
+
+
+@pytest.mark.parametrize(
+    "start, size, stride",
+    [
+        (7, (6,), (1,)),  # a plain parameter
+        (5, (3, 2, 3), (8, 3, 1)),  # a stack of 3 members, 2 gap elements after each
+        (9, (1, 2, 3), (8, 3, 1)),  # one member
+        (9, (0, 2, 3), (8, 3, 1)),  # none on this rank
+    ],
+)
+def test_param_slice_view_and_positions_agree(start, size, stride):
+    """``view`` of a flat state and ``positions`` (an index into it) pick the same elements
+    in the same order, the gaps skipped; ``positions`` spans the part only."""
+    n = math.prod(size)
+    stop = start + sum((k - 1) * d for k, d in zip(size, stride)) + 1 if n else start
+    s = ParamSlice("w", nn.Parameter(torch.zeros(size)), start, stop, True, size, stride)
+    flat = torch.arange(64) * 10
+    index = s.positions(torch.device("cpu"))
+    assert index.dtype == torch.int64 and index.numel() == s.numel == n
+    assert torch.equal(flat[index], s.view(flat).reshape(-1))
+    assert s.contiguous == (size[0] <= 1 or len(size) == 1)
+    if n:
+        assert index.min() == start and index.max() == stop - 1
 
 
 def _rule(slices, groups, *, views=True, steps=None, stateful=()):

@@ -309,6 +309,13 @@ def test_member_gaps_always_gaps_what_plain_packs_tightly():
     assert plain["e"].members == 1 and plain.padding == 0  # a gap would only cost
     forced = plan_buffer([spec], 4, dtype="float32", alignment_bytes=16, member_gaps="always")
     assert forced["e"].members == 8 and forced["e"].member_gap == 4  # one alignment unit
+    # members far smaller than an alignment unit: the gapped layout is many times the plain
+    # one, and "always" still finds it (a search capped near the plain size did not)
+    for shape, m in (((16, 1, 1), 3), ((7, 1, 4), 1)):
+        tiny = TensorSpec(name="t", shape=shape, block_rows=1, stack=True)
+        forced = plan_buffer([tiny], m, dtype="float32", member_gaps="always")
+        assert forced["t"].members == shape[0] and forced["t"].member_gap > 0, forced
+        brute_check(forced, [tiny])
     assert forced.padding >= forced.lower_bound_padding
     with pytest.raises(ValueError, match=r"member_gaps must be False, True or 'always', got 'y'"):
         plan_buffer([spec], 4, member_gaps="y")
