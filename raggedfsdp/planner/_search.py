@@ -326,7 +326,7 @@ def _forced_gap_cap(specs: Sequence[TensorSpec], eligible: Sequence[bool], ub: i
         s.members * (ceil_to(s.member_numel, a) + a) if ok else ceil_to(s.numel, a)
         for s, ok in zip(specs, eligible, strict=True)
     )
-    return max(4 * ub, 2 * one_shard) + a
+    return max(4 * ub, one_shard) + a
 
 
 def _improve(

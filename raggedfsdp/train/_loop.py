@@ -180,9 +180,11 @@ def _lr_lambda(args):
     return f
 
 
-def padding_ratio(model: nn.Module, backend: str, split: dict[str, tuple]) -> float:
-    """Padded elements / parameter elements of the communication buffers (this rank's
-    TP / EP coordinate: the tensors ``fully_shard`` laid out).
+def layout_figures(model: nn.Module, backend: str, split: dict[str, tuple]) -> dict:
+    """``padding_ratio``: padded elements / parameter elements of the communication
+    buffers (this rank's TP / EP coordinate: the tensors ``fully_shard`` laid out);
+    ``buffers`` and ``gapped_stacks``: this rank's buffers and the stacks laid out with
+    member gaps in them (``None`` for FSDP2, which has no buffers).
 
     Args:
         model: the sharded model.
@@ -195,23 +197,16 @@ def padding_ratio(model: nn.Module, backend: str, split: dict[str, tuple]) -> fl
             numel, rows = math.prod(shape), shape[0] if shape else 1
             pad += (math.ceil(rows / m) * m - rows) * (numel // rows)
             total += numel
-        return pad / total
+        return {"padding_ratio": pad / total, "buffers": None, "gapped_stacks": None}
     from raggedfsdp.fsdp import buffers_of
 
     layouts = [buf.layout for buf in buffers_of(model)]
-    return sum(lay.padding for lay in layouts) / sum(lay.total_numel for lay in layouts)
-
-
-def buffer_counts(model: nn.Module, backend: str) -> dict:
-    """This rank's communication buffers and the stacks laid out with member gaps in them
-    (``None`` for FSDP2, which has no buffers)."""
-    if backend == "fsdp2":
-        return {"buffers": None, "gapped_stacks": None}
-    from raggedfsdp.fsdp import buffers_of
-
-    layouts = [buf.layout for buf in buffers_of(model)]
-    gapped = sum(t.members > 1 for lay in layouts for t in lay.tensors)
-    return {"buffers": len(layouts), "gapped_stacks": gapped}
+    return {
+        "padding_ratio": sum(lay.padding for lay in layouts)
+        / sum(lay.total_numel for lay in layouts),
+        "buffers": len(layouts),
+        "gapped_stacks": sum(t.members > 1 for lay in layouts for t in lay.tensors),
+    }
 
 
 def _clip(model, args, spec: MeshSpec) -> None:
@@ -430,8 +425,7 @@ def _train(args, where: Where) -> int:
         "steps": args.steps,
         "median_step_s": statistics.median(steady),
         "tokens_per_s": tokens / statistics.median(steady),
-        "padding_ratio": padding_ratio(model, args.backend, split),
-        **buffer_counts(model, args.backend),
+        **layout_figures(model, args.backend, split),
         "final_loss": loss,
         **measured,
     }

@@ -29,7 +29,6 @@ import pytest
 import torch
 
 from raggedfsdp import checkpoint
-from raggedfsdp.checkpoint import latest_checkpoint
 from raggedfsdp.models import get_config
 from raggedfsdp.models.transformer import Transformer
 from raggedfsdp.train._cli import main
@@ -180,8 +179,8 @@ def test_a_run_owns_its_folder(tmp_path, capsys):
         for pid in [r for r in ranks if _alive(r)]:
             os.kill(pid, signal.SIGKILL)
         job.kill()
-    assert _saved(out) == _names(2)
-    saved = int(latest_checkpoint(out / "ckpt").name[5:])
+    assert _saved(out) == _names(2)  # the job died right after its first save
+    saved = 2
     run_id = json.loads((out / "run.json").read_text())["run_id"]
 
     # Nothing of the run is touched by a job that would change it.

@@ -313,9 +313,9 @@ def test_member_gaps_always_gaps_what_plain_packs_tightly():
     # one, and "always" still finds it (a search capped near the plain size did not)
     for shape, m in (((16, 1, 1), 3), ((7, 1, 4), 1)):
         tiny = TensorSpec(name="t", shape=shape, block_rows=1, stack=True)
-        forced = plan_buffer([tiny], m, dtype="float32", member_gaps="always")
-        assert forced["t"].members == shape[0] and forced["t"].member_gap > 0, forced
-        brute_check(forced, [tiny])
+        gapped = plan_buffer([tiny], m, dtype="float32", member_gaps="always")
+        assert gapped["t"].members == shape[0] and gapped["t"].member_gap > 0, gapped
+        brute_check(gapped, [tiny])
     assert forced.padding >= forced.lower_bound_padding
     with pytest.raises(ValueError, match=r"member_gaps must be False, True or 'always', got 'y'"):
         plan_buffer([spec], 4, member_gaps="y")
