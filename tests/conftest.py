@@ -7,3 +7,11 @@ from hypothesis import settings
 settings.register_profile("reproducible", derandomize=True)
 settings.register_profile("explore", derandomize=False)
 settings.load_profile("reproducible")
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers",
+        "numerics: compares trained numbers against a reference under a derived bound "
+        "(tests/numerics.py); `make test-numerics` reruns these with other kernels",
+    )

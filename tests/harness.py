@@ -30,14 +30,15 @@ DEFAULT_TIMEOUT = 180.0
 
 
 def _worker(rank, world, init_file, payload, queue):
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    from tests.numerics import THREADS, configure_torch
+
+    os.environ.setdefault("OMP_NUM_THREADS", str(THREADS))
     try:
         with open(payload, "rb") as f:  # (fn, args), pickled by value: see spawn
             fn, args, init = pickle.load(f)
-        import torch
         import torch.distributed as dist
 
-        torch.set_num_threads(1)
+        configure_torch()
         if not init:  # fn makes its own process group
             fn(rank, world, *args)
             queue.put((rank, None))
@@ -152,12 +153,18 @@ def run_cases(cases: dict[str, Callable[[], None]]) -> None:
 
 
 # ---- the train CLI, its ranks forked ----------------------------------------------------------
-def train_cli(argv: list[str], timeout: float = 600.0) -> None:
+def train_cli(argv: list[str], timeout: float = 600.0, nudge_seed: int | None = None) -> None:
     """``python -m raggedfsdp train ARGV`` in this process, its ranks forked from the warm
     server instead of started by torchrun (which imports torch again in every rank: most
     of a small job's time). Everything else is the CLI's own: argument checks, the run
     folder and its lock, each rank's ``_loop.main``. Tests of the launcher itself (exit
     codes, killed or stopped ranks) run the real command.
+
+    Args:
+        argv: the arguments after ``train``.
+        timeout: seconds before every rank is killed.
+        nudge_seed: every rank's gradients nudged before each optimizer step
+            (``tests.numerics.nudged_gradients``): the reference's sensitivity.
 
     Raises:
         AssertionError: a rank failed (its traceback and message included).
@@ -172,15 +179,26 @@ def train_cli(argv: list[str], timeout: float = 600.0) -> None:
         with socket.socket() as s:  # a free port for the ranks' rendezvous
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        spawn(args.nproc, _train_rank, json.dumps(vars(args)), port, timeout=timeout, init=False)
+        spawn(
+            args.nproc,
+            _train_rank,
+            json.dumps(vars(args)),
+            port,
+            nudge_seed,
+            timeout=timeout,
+            init=False,
+        )
         return 0
 
     assert _cli.main(list(argv), launch=launch) == 0
 
 
-def _train_rank(rank: int, world: int, args_json: str, port: int) -> None:
+def _train_rank(rank: int, world: int, args_json: str, port: int, nudge_seed) -> None:
+    from contextlib import nullcontext
+
     from raggedfsdp.train import _loop
     from raggedfsdp.train._guard import ARGS_ENV
+    from tests.numerics import nudged_gradients
 
     os.environ.update(
         {
@@ -193,5 +211,6 @@ def _train_rank(rank: int, world: int, args_json: str, port: int) -> None:
             "LOCAL_WORLD_SIZE": str(world),
         }
     )
-    code = _loop.main()
+    with nullcontext() if nudge_seed is None else nudged_gradients(nudge_seed):
+        code = _loop.main()
     assert code == 0, f"rank {rank}: train exited with {code} (its message is above)"

@@ -1,0 +1,228 @@
+"""Derived tolerances: how far a distributed run may lie from its reference.
+
+[Note: derived tolerances]
+A distributed run does the reference's arithmetic in another order: each rank sums the
+gradient of its own rows, the reduce-scatter sums the ranks' gradients, the loss is a
+mean of the ranks' means. In exact arithmetic nothing changes; in floating point the
+last bits of every gradient differ, and training carries those differences forward,
+amplified by whatever the optimizer does with them (a Newton-Schulz iteration in bf16
+turns a last-bit difference into a bf16 rounding flip). How much depends on the CPU's
+kernels, so a tolerance that passed on one machine says nothing about another. Instead
+every comparison of trained numbers here derives its bound from the reference itself:
+
+1. **Where the arithmetic is the same, bitwise.** Given one process's gradients, an
+   element-wise optimizer on a shard computes exactly what it computes on the whole
+   tensor (tests that check this use ``torch.equal``). A run resumed from a checkpoint at
+   the same layout is the uninterrupted run, bit for bit.
+2. **Where it is not, the reference's own sensitivity.** The one-process reference runs
+   again with every gradient moved by ``NUDGE_ULPS`` units in the last place, up or down
+   at random (``nudged_gradients``: a global optimizer step pre-hook, so every reference
+   loop is perturbed without being rewritten), once per seed in ``SEEDS``. A summation in
+   another order of ``w`` partial sums is correct to within ``w - 1`` roundings of its
+   result's magnitude; ``NUDGE_ULPS`` = 2 ulp (4 roundings of half an ulp) models a sum
+   over up to 5 ranks, the most any test here spawns. The *spread* is the largest
+   difference between the plain and the nudged runs, over the steps and the seeds: what
+   the reference itself does when its gradients are summed in another order.
+3. **The bound** on the distributed run's largest difference from the reference is
+
+       ``MULTIPLE * spread + floor``
+
+   ``MULTIPLE`` = 4: the distributed run is one more draw of the same rounding noise, so
+   its difference is of the spread's size; the factor covers a draw up to 4 times the
+   largest of ``len(SEEDS)`` draws, and gradients whose partial sums cancel (their
+   rounding is relative to the partial sums, not to the result). The *floor* is what a
+   difference of summation order does to the number compared before any update has
+   happened: for a loss, the mean of ``n`` fp32 terms computed by another reduction
+   tree, at most ``2 * (ceil(log2 n) + w) * u * |L|`` (``u = 2**-24``; torch reduces
+   pairwise, depth ``ceil(log2 n)``, then the ``w`` ranks' means are summed in a chain);
+   for a parameter, one rounding of each of its updates, ``steps * u * max|p|``.
+
+A genuine error (a lost gradient, a wrong scale, a missing step) moves the numbers by
+orders of magnitude more than this bound; the tests that must catch such errors keep
+a bound of this size, never a looser one.
+
+``make test-numerics`` runs every test that compares numbers with other kernels
+(``ATEN_CPU_CAPABILITY=default``: ATen's scalar kernels instead of AVX2;
+``MKL_CBWR=COMPATIBLE``: MKL's portable GEMM code path), two intra-op threads and torch's
+deterministic algorithms: the kernel choices that differ from one machine to another.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+U = 2.0**-24  # fp32 unit roundoff
+NUDGE_ULPS = 2
+SEEDS = (1, 2)
+MULTIPLE = 4.0
+
+# The intra-op threads every rank and reference runs on (``make test-numerics`` sets 2).
+THREADS = int(os.environ.get("RAGGEDFSDP_TEST_THREADS", "1"))
+DETERMINISTIC = os.environ.get("RAGGEDFSDP_TEST_DETERMINISTIC", "") == "1"
+
+
+def configure_torch() -> None:
+    """The thread count and algorithm choice of this run (see the module docstring)."""
+    torch.set_num_threads(THREADS)
+    if DETERMINISTIC:
+        torch.use_deterministic_algorithms(True)
+
+
+@contextmanager
+def reference_threads() -> Iterator[None]:
+    """Run a one-process reference on the threads the ranks use; restore afterwards."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(THREADS)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+# ---- the perturbation ---------------------------------------------------------------------------
+def _nudge_(grad: torch.Tensor, gen: torch.Generator) -> None:
+    """Move every element of ``grad`` (a plain or DTensor gradient) ``NUDGE_ULPS`` ulps up
+    or down, the direction drawn from ``gen``."""
+    local = grad.to_local() if hasattr(grad, "to_local") else grad
+    if local.numel() == 0:
+        return
+    up = torch.randint(0, 2, local.shape, generator=gen, device="cpu").bool()
+    target = torch.where(up, math.inf, -math.inf).to(device=local.device, dtype=local.dtype)
+    for _ in range(NUDGE_ULPS):
+        local.copy_(torch.nextafter(local, target))
+
+
+@contextmanager
+def nudged_gradients(seed: int) -> Iterator[None]:
+    """Within the block, every optimizer's step first nudges every gradient it is about
+    to read (``_nudge_``), with signs drawn from ``seed``."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+
+    def hook(optimizer, args, kwargs):
+        with torch.no_grad():
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    if p.grad is not None:
+                        _nudge_(p.grad, gen)
+
+    handle = register_optimizer_step_pre_hook(hook)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+# ---- the reference and its spread --------------------------------------------------------------
+@dataclass(frozen=True)
+class Reference:
+    """A one-process run and how much it moves under nudged gradients.
+
+    Attributes:
+        losses: the plain run's per-step losses.
+        loss_spread: the largest ``|plain - nudged|`` over steps and seeds.
+        params: the plain run's final parameters (fqn -> full tensor), or None.
+        param_spread: fqn -> the largest ``|plain - nudged|`` element, over seeds.
+    """
+
+    losses: list[float]
+    loss_spread: float
+    params: dict[str, torch.Tensor] | None = None
+    param_spread: dict[str, float] | None = None
+
+    def loss_bound(self, world: int, tokens: int) -> float:
+        """The bound on ``max |got - losses|`` (rule 3 of [Note: derived tolerances]).
+
+        Args:
+            world: how many partial means the distributed loss sums.
+            tokens: the loss terms in one step's mean.
+        """
+        depth = math.ceil(math.log2(max(tokens, 2))) + world
+        floor = 2 * depth * U * max(abs(x) for x in self.losses)
+        return MULTIPLE * self.loss_spread + floor
+
+    def param_bound(self, name: str, steps: int) -> float:
+        """The bound on ``max |got - params[name]|`` after ``steps`` updates."""
+        assert self.params is not None and self.param_spread is not None
+        floor = steps * U * self.params[name].abs().max().item()
+        return MULTIPLE * self.param_spread[name] + floor
+
+
+def reference(run: Callable[[], object], seeds: tuple[int, ...] = SEEDS) -> Reference:
+    """Run ``run`` plainly and once per seed under ``nudged_gradients``.
+
+    Args:
+        run: builds its model and trains it; returns the per-step losses, or
+            ``(losses, {fqn: final full parameter})``. In a spawned rank it may be a
+            distributed run (every rank nudges its own gradients with the same seed).
+        seeds: the nudged runs (default ``SEEDS``).
+    """
+    with reference_threads():
+        plain = _split(run())
+        nudged = []
+        for seed in seeds:
+            with nudged_gradients(seed):
+                nudged.append(_split(run()))
+    losses, params = plain
+    loss_spread = max(abs(a - b) for other, _ in nudged for a, b in zip(losses, other))
+    param_spread = None
+    if params is not None:
+        param_spread = {
+            k: max((v - other[k]).abs().max().item() for _, other in nudged)
+            for k, v in params.items()
+        }
+    return Reference(list(losses), loss_spread, params, param_spread)
+
+
+def _split(result) -> tuple[list[float], dict[str, torch.Tensor] | None]:
+    if isinstance(result, tuple):
+        losses, params = result
+        return list(losses), {k: v.detach().clone() for k, v in params.items()}
+    return list(result), None
+
+
+# ---- the checks ---------------------------------------------------------------------------------
+def assert_losses_match(got, ref: Reference, *, world: int, tokens: int, what: str = "") -> None:
+    """``got``'s per-step losses lie within ``ref.loss_bound`` of the reference's."""
+    assert len(got) == len(ref.losses), (len(got), len(ref.losses))
+    worst = max(abs(a - b) for a, b in zip(got, ref.losses))
+    bound = ref.loss_bound(world, tokens)
+    _log("losses", what, worst, ref.loss_spread, bound)
+    assert worst <= bound, (
+        f"{what}losses differ from the reference by {worst:.3g}, beyond the derived bound "
+        f"{bound:.3g} ({MULTIPLE:g} x the nudged reference's spread {ref.loss_spread:.3g} + "
+        f"the loss's rounding floor): {list(got)} vs {ref.losses}"
+    )
+
+
+def assert_param_matches(
+    name: str, got: torch.Tensor, ref: Reference, *, steps: int, what: str = ""
+) -> None:
+    """``got`` (a full parameter) lies within ``ref.param_bound`` of the reference's."""
+    assert ref.params is not None
+    worst = (got - ref.params[name]).abs().max().item()
+    bound = ref.param_bound(name, steps)
+    _log("param", f"{what}{name}", worst, ref.param_spread[name], bound)
+    assert worst <= bound, (
+        f"{what}{name}: differs from the reference by {worst:.3g}, beyond the derived bound "
+        f"{bound:.3g} ({MULTIPLE:g} x the nudged reference's spread "
+        f"{ref.param_spread[name]:.3g} + {steps} roundings)"
+    )
+
+
+def _log(kind: str, what: str, worst: float, spread: float, bound: float) -> None:
+    """Append the check's figures to ``$RAGGEDFSDP_NUMERICS_LOG`` (JSON lines), if set:
+    how close each check runs to its bound, on this machine's kernels."""
+    path = os.environ.get("RAGGEDFSDP_NUMERICS_LOG")
+    if path:
+        import json
+
+        row = dict(kind=kind, what=what, worst=worst, spread=spread, bound=bound)
+        with open(path, "a") as f:
+            f.write(json.dumps(row) + "\n")
