@@ -9,9 +9,11 @@ policy of a selected parameter is raised to a multiple of the tile's rows
 master rows: the result is bit-identical to quantizing the whole matrix on one device,
 with no amax all-reduce and no padding beyond the plan's.
 
-Scales: fp32 ``amax / 448`` (1 for an all-zero tile), or, with
-``scale_dtype=torch.float8_e8m0fnu`` (MX), a power of two stored as its 8-bit biased
-exponent: the least ``2**e >= amax / 448``, so no code ever saturates.
+Scales: fp32 ``max(amax / 448, 2**-126)``, or, with ``scale_dtype=torch.float8_e8m0fnu``
+(MX), a power of two stored as its 8-bit biased exponent: the least ``2**e >= amax / 448``
+and ``>= 2**-126``, so no code ever saturates. ``amax`` is the largest magnitude of the
+tile's finite elements; a non-finite element decodes as NaN at its own position (see
+[Note: FP8 edge values]).
 
 Selected parameters go to buffers of their own (``_api._new_group`` plans them apart
 from the rest, which gather in the compute dtype), planned with offsets and shard size
@@ -19,11 +21,13 @@ in whole tile columns (``alignment_elems``). A rank's shard is then a sequence o
 *segments*: ``tile[1]`` contiguous elements, one row of one tile (or padding). Per
 buffer and all-gather, in kernels whose count does not depend on the tensors or ranks:
 
-- quantize: the amax of every segment (one ``vector_norm``), reduced to the tiles'
-  (one ``scatter_reduce``; MX's one-row tiles are the segments themselves), the scales
-  written to the send buffer, and every segment divided by its tile's scale straight
-  into the send buffer as codes (one ``div`` whose output is float8: the one cast
-  that a ``param_dtype`` all-gather makes on its send side);
+- quantize: the amax of every segment's finite elements (one ``nan_to_num`` into a
+  temporary, one ``vector_norm``), reduced to the tiles' (one ``scatter_reduce``; MX's
+  one-row tiles are the segments themselves), the scales written to the send buffer,
+  and every segment divided by its tile's scale straight into the send buffer as codes
+  (one ``div`` whose output is float8: the one cast that a ``param_dtype`` all-gather
+  makes on its send side), the NaN code written where the shard is not finite (one
+  ``ne``, one ``masked_fill_``);
 - one all-gather of the send buffer, codes (``S`` bytes) then scales (``T`` per rank,
   the most tiles any rank holds, at a 4-byte boundary);
 - dequantize: the received codes cast into the global parameter storage (one
@@ -41,6 +45,41 @@ only.
 A tile is ``tile[0]`` rows by ``tile[1]`` columns of a 2-D matrix, or of one member
 of a stacked ``[E, rows, cols]`` parameter. ``(1, 32)`` with E8M0 scales is MXFP8's
 layout (``Float8BlockAllGather.mx()``).
+
+[Note: FP8 edge values]
+Two kinds of tile break ``code = x / (amax / 448)``, and the quantizer handles both in
+the same kernels for every tile, with no host sync (no ``.item()``: nothing waits on
+the values):
+
+- *Tiny tiles.* Below ``amax = 448 * 2**-126`` (about 5e-36), ``amax / 448`` is an fp32
+  subnormal: it has few significant bits, so ``x / scale`` can exceed 448 (the cast
+  saturates it, or gives NaN), and below ``amax = 224 * 2**-149`` (about 3e-43) it
+  underflows to 0 (``0 / 0``: NaN), as does any subnormal where arithmetic flushes them
+  to zero. So every scale is at least ``2**-126``, fp32's least normal number (an E8M0
+  scale never went lower). With that least scale the codes are ``x * 2**126`` rounded
+  to float8_e4m3fn, exactly decoded: a tile whose elements are all at most ``2**-136``
+  (about 1.1e-41; an all-zero tile, or one whose ``amax / 448`` used to underflow)
+  decodes to exactly zeros, since ``x * 2**126 <= 2**-10`` is at most half
+  float8_e4m3fn's least subnormal and rounds to 0; a tiny tile above that decodes within
+  half a float8 step times ``2**-126`` of its values, the bound every tile meets with its
+  own scale. A plain all-gather would keep such values (fp32 and bf16 hold subnormals);
+  FP8 cannot give them exactly, since a code holds four significant bits.
+- *Non-finite elements.* One inf or NaN made ``amax`` non-finite and took its whole tile
+  with it (fp32 scales: every code ``x / inf`` and every decode ``0 * inf``, NaN; E8M0:
+  a scale of ``2**127``, under which every finite element of ordinary size decodes to 0). Raising an
+  error naming the parameter would need a host sync on every gather to learn that
+  there is one; instead the quantizer works element-wise, as a plain all-gather does:
+  ``amax`` is taken over the finite elements (non-finite ones count as 0), so the finite
+  elements decode exactly as they would if each non-finite one were 0, and each
+  non-finite element is written as the NaN code (``0x7F``) at its own position.
+  float8_e4m3fn has no infinity, and its NaN is its only non-finite code, so ``inf``
+  and ``-inf`` decode as NaN, not as themselves; the cast alone would not even give
+  that (recent torch casts saturate ``±inf`` to ``±448``, a finite value), hence the
+  explicit code. The position is what a user's NaN check and the forward see: a row
+  with a non-finite weight gives a non-finite output either way. The cost: three more
+  kernels on the send side (``nan_to_num``, ``ne``, ``masked_fill_``, over the rank's
+  ``S`` elements, not the gathered ``m * S``; the fp32 scale is one kernel shorter than
+  before) and a temporary of ``S`` master elements while the amax is taken.
 
 On an accelerator with ``torch._scaled_mm`` taking block scales, the gathered codes
 and scales are what it takes: each rank's piece of a parameter is a row-major view of
@@ -63,6 +102,8 @@ __all__ = ["FP8_MAX", "Float8BlockAllGather", "Fp8Layout"]
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
+LEAST_SCALE = 2.0**-126  # fp32's least normal number: see [Note: FP8 edge values]
+_NAN_CODE = 0x7F  # float8_e4m3fn's NaN (S.1111.111, the sign bit clear)
 E8M0 = torch.float8_e8m0fnu
 _SCALE_DTYPES = (torch.float32, E8M0)
 _MASTER_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -77,8 +118,9 @@ class Float8BlockAllGather:
             is selected when it is 2-D (or a stacked 3-D ``[E, rows, cols]``) and its
             rows (per member) and columns are whole tiles; the rest gathers in the
             compute dtype.
-        scale_dtype: ``torch.float32`` (default: ``amax / 448``) or
-            ``torch.float8_e8m0fnu`` (a power of two in one byte, as MX).
+        scale_dtype: ``torch.float32`` (default: ``max(amax / 448, 2**-126)``) or
+            ``torch.float8_e8m0fnu`` (a power of two in one byte, as MX). See
+            [Note: FP8 edge values] for tiny tiles and non-finite elements.
     """
 
     tile: tuple[int, int] = (128, 128)
@@ -230,12 +272,13 @@ class Fp8Layout:
     # ---- scales ------------------------------------------------------------------------------
     def _scales(self, amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(fp32 scales, what the send buffer holds)`` for fp32 tile amaxes."""
+        # See [Note: FP8 edge values]: never below 2**-126, fp32's least normal number
         if self.policy.scale_dtype == torch.float32:
-            scale = torch.where(amax > 0, amax / FP8_MAX, 1.0)
+            scale = (amax / FP8_MAX).clamp_(min=LEAST_SCALE)
             return scale, scale
         bits = (amax / FP8_MAX).view(torch.int32)
         exponent = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(torch.int32)
-        exponent.clamp_(1, 254)  # the least power of two >= amax / 448, in fp32's normal range
+        exponent.clamp_(1, 254)  # the least power of two >= amax / 448, and >= 2**-126
         return (exponent << 23).view(torch.float32), exponent.to(torch.uint8)
 
     def _read_scales(self, stored: torch.Tensor) -> torch.Tensor:
@@ -250,7 +293,11 @@ class Fp8Layout:
         (tr, tc), n, T = self.tile, self.segments, self.tiles_per_rank
         send = torch.empty(self.send_bytes, dtype=torch.uint8, device=shard.device)
         x = shard.view(n, tc)
-        amax = torch.linalg.vector_norm(x, ord=math.inf, dim=1).float()  # per segment
+        # See [Note: FP8 edge values]: the finite amax, and where the NaN codes go
+        finite = torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)  # (n, tile[1])
+        amax = torch.linalg.vector_norm(finite, ord=math.inf, dim=1).float()  # per segment
+        nonfinite = x.ne(finite)  # (n, tile[1]) bool
+        del finite  # S master elements, freed before the codes are written
         if tr > 1:  # per tile; padding's segments to the spare last slot
             where = self._mine.get(shard.device)  # this rank's: kept (1 / tile[1] of S)
             if where is None:
@@ -265,7 +312,9 @@ class Fp8Layout:
         send[self.scales_at + width :].zero_()
         if tr > 1:
             scale = torch.cat([scale, scale.new_ones(1)])[where]  # per segment
-        torch.div(x, scale.unsqueeze(1), out=send[: n * tc].view(FP8_DTYPE).view(n, tc))
+        codes = send[: n * tc].view(n, tc)  # uint8
+        torch.div(x, scale.unsqueeze(1), out=codes.view(FP8_DTYPE))
+        codes.masked_fill_(nonfinite, _NAN_CODE)
         return send
 
     # ---- the receive side ----------------------------------------------------------------
