@@ -8,7 +8,14 @@ to another world size or block policy, crash safety, async save and safetensors 
 See [Note: commit protocol] in ``_files`` and [Note: checkpoint keys] in ``_state``.
 """
 
-from raggedfsdp.checkpoint._api import SaveHandle, latest_checkpoint, load, save
+from raggedfsdp.checkpoint._api import (
+    SaveHandle,
+    latest_checkpoint,
+    list_checkpoints,
+    load,
+    save,
+    verify_checkpoint,
+)
 from raggedfsdp.checkpoint._export import export_safetensors
 from raggedfsdp.checkpoint._files import CorruptCheckpointError
 
@@ -17,6 +24,8 @@ __all__ = [
     "SaveHandle",
     "export_safetensors",
     "latest_checkpoint",
+    "list_checkpoints",
     "load",
     "save",
+    "verify_checkpoint",
 ]

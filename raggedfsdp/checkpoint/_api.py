@@ -23,7 +23,14 @@ from raggedfsdp.checkpoint import _files, _state
 from raggedfsdp.checkpoint._files import CorruptCheckpointError
 from raggedfsdp.checkpoint._ranks import Ranks, default_group, quiet, side_group
 
-__all__ = ["SaveHandle", "latest_checkpoint", "load", "save"]
+__all__ = [
+    "SaveHandle",
+    "latest_checkpoint",
+    "list_checkpoints",
+    "load",
+    "save",
+    "verify_checkpoint",
+]
 
 STRUCTURE = "train_state.pt"
 _DCP_METADATA = ".metadata"
@@ -291,6 +298,38 @@ def latest_checkpoint(path: str | os.PathLike) -> Path | None:
     """The newest complete checkpoint under ``path`` (a root of ``save``), or None."""
     found = _files.checkpoints(path)
     return found[-1][1] if found else None
+
+
+def list_checkpoints(path: str | os.PathLike) -> list[tuple[int, Path]]:
+    """The complete checkpoints under ``path`` (a root of ``save``) as ``(step, directory)``,
+    oldest first: the committed ones, each holding its marker (``verify_checkpoint``
+    checks their files)."""
+    return _files.checkpoints(path)
+
+
+def verify_checkpoint(path: str | os.PathLike) -> str | None:
+    """What ``load`` checks of a checkpoint before reading it, on this process alone.
+
+    Reads every file of the checkpoint (its size and sha256 against the marker), so it
+    costs a read of the checkpoint; no process group is needed.
+
+    Args:
+        path: a checkpoint directory (``root/step_XXXXXXXX``).
+
+    Returns:
+        None if ``path`` is a complete checkpoint whose files all match their recorded
+        sizes and checksums; else what is wrong, in a few words ("it does not exist",
+        "it has no checkpoint.json (an interrupted save?)", "file '__0_0.distcp' does
+        not match its recorded sha256 (corrupted)", ...).
+    """
+    directory = Path(path)
+    try:
+        record = _files.read_marker(directory) if directory.is_dir() else None
+    except CorruptCheckpointError:
+        return f"its marker {_files.MARKER} is not a valid record (corrupted)"
+    if record is None:
+        return _files.describe(directory)
+    return _files.verify(directory, record["files"], sorted(record["files"]))
 
 
 # ---- load ---------------------------------------------------------------------------------
