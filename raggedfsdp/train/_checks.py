@@ -5,8 +5,10 @@ it is one line and nothing is written (``_cli`` turns the ``ValueError`` into a 
 error). What is checked: the launch (ranks, nodes, rendezvous), each number's range,
 the mesh (``parse_train_mesh``: its dims, their product, the model's heads and experts
 against them), the data (readable text, long enough for a sequence in each split that
-is used), the block size against the model's shapes (``_policy.check_block_rows``) and
-the run folder (``_rundir.check_out``: ownership, ``--resume``).
+is used), the block size against the model's shapes (``_policy.check_block_rows``), the
+memory a step needs (``_resources.check_memory``), the run folder (``_rundir.check_out``:
+ownership, ``--resume``, ``--resume-from``) and what it can hold (``_resources.check_storage``:
+writable, room for a checkpoint).
 
 [Note: train meshes]
 ``--mesh`` names the dims of the device mesh the ranks build; every form but the
@@ -428,7 +430,11 @@ def check_args(args) -> tuple[int, str]:
     _check_packages(args)
     corpus = _check_data(args)
     _check_model(args, mesh)
+    from raggedfsdp.train._resources import check_memory, check_storage
     from raggedfsdp.train._rundir import check_out, data_digest
 
+    check_memory(args, mesh, corpus.train.numel() + corpus.val.numel())
     digest = data_digest(corpus)
-    return check_out(args, digest), digest
+    start = check_out(args, digest)
+    check_storage(args, mesh)
+    return start, digest
