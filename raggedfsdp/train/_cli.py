@@ -7,7 +7,8 @@ and starts the ranks, which run ``raggedfsdp.train._loop``. The launcher is
 ``torch.distributed.run`` itself, so ``--nnodes``/``--node-rank``/``--rdzv-endpoint``
 scale the same command to several machines. A failure inside the ranks ends the job
 with their own one-line messages and one line from the launcher (see [Note: how a rank
-fails] in ``_guard``).
+fails] in ``_guard``): the launcher's line says how the first failed rank ended (its exit
+code, or the signal that killed it) and what the run's checkpoints on disk are.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -25,6 +27,14 @@ from raggedfsdp.train._checks import TRAIN_MODELS, check_args
 BACKENDS = ("raggedfsdp", "fsdp2")
 OPTIMIZERS = ("adamw", "flat-adamw", "muon", "adamw8bit", "sgd")
 DEFAULT_TIMEOUT_S = 300.0
+
+
+class _ResumeFrom(argparse.Action):
+    """``--resume-from DIR`` is a ``--resume`` that names its checkpoint."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values)
+        namespace.resume = True
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -112,7 +122,17 @@ def build_parser() -> argparse.ArgumentParser:
         "--resume",
         action="store_true",
         help="continue the run in --out from its latest checkpoint (the arguments that "
-        "decide its numbers must be the run's)",
+        "decide its numbers must be the run's; the checkpoint's files are checked before any "
+        "rank starts: a damaged one is refused, see --resume-from)",
+    )
+    g.add_argument(
+        "--resume-from",
+        default=None,
+        action=_ResumeFrom,
+        metavar="DIR",
+        help="continue the run in --out from this checkpoint of it (a step_XXXXXXXX folder of "
+        "--out/ckpt; e.g. when the newest is damaged). Implies --resume. The newer checkpoints "
+        "and the metrics of the steps after it are moved to --out/superseded/job_N/",
     )
     g.add_argument(
         "--overwrite",
@@ -184,14 +204,38 @@ def _launch(args) -> int:
     try:
         run(parse_args([*launch, "-m", "raggedfsdp.train._loop"]))
     except ChildFailedError as err:
+        from raggedfsdp.train._rundir import checkpoint_state
+
         rank, failure = err.get_first_failure()
         print(
-            f"train: failed: rank {rank} exited with code {failure.exitcode} (its message is "
-            f"above); the checkpoints in '{Path(args.out) / 'ckpt'}' are complete",
+            f"train: failed: {rank_exit(rank, failure.exitcode)}. {checkpoint_state(args)}",
             file=sys.stderr,
         )
         return 1
     return 0
+
+
+# What most often sends a rank each signal: a rank killed by one prints nothing itself.
+_SIGNAL_CAUSES = {
+    signal.SIGKILL: "most often the kernel's out-of-memory killer; see `dmesg`",
+    signal.SIGTERM: "stopped from outside (a job scheduler, kill)",
+    signal.SIGINT: "interrupted (Ctrl-C)",
+    signal.SIGSEGV: "a crash in native code",
+    signal.SIGBUS: "a crash in native code (a file it mapped was truncated?)",
+    signal.SIGABRT: "an abort in native code (its message, if any, is above)",
+}
+
+
+def rank_exit(rank: int, code: int) -> str:
+    """How ``rank`` ended, from its exit code as torchrun reports it (negative: a signal)."""
+    if code >= 0:
+        return f"rank {rank} exited with code {code} (its message is above)"
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:
+        name = "unknown"
+    cause = _SIGNAL_CAUSES.get(-code, "a signal from outside the job")
+    return f"rank {rank} was killed by signal {-code} ({name}): {cause}"
 
 
 if __name__ == "__main__":

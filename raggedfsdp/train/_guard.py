@@ -105,10 +105,9 @@ class Where:
         self.mesh_group = mesh_group
 
     def at(self, phase: str, step: int | None = None, *, group="mesh") -> None:
-        """Enter ``phase`` (of ``step``), whose collectives run on ``group``."""
-        self.phase, self.module = phase, None
-        if step is not None:
-            self.step = step
+        """Enter ``phase`` of training step ``step`` (None: outside the training steps: the
+        phase says where), whose collectives run on ``group``."""
+        self.phase, self.module, self.step = phase, None, step
         self.group = self.mesh_group if group == "mesh" else group
 
     def watch(self, model: nn.Module) -> None:

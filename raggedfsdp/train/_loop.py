@@ -2,7 +2,8 @@
 
 Writes, on rank 0, ``metrics.jsonl`` (one line per step, plus validation lines),
 ``summary.json`` (throughput, memory, communication, copies, padding of the run)
-and ``loss.png``; every rank writes its shards of the checkpoints under ``ckpt/``.
+and ``loss.png``, each whole or not at all ([Note: run files are whole] in ``_rundir``);
+every rank writes its shards of the checkpoints under ``ckpt/``.
 The arguments come from the launcher, already checked, in ``RAGGEDFSDP_TRAIN_ARGS``.
 
 [Note: non-finite steps]
@@ -50,7 +51,7 @@ from raggedfsdp.train._guard import (
 )
 from raggedfsdp.train._guard import report as report_error
 from raggedfsdp.train._policy import block_policy
-from raggedfsdp.train._rundir import CKPT, trim_metrics
+from raggedfsdp.train._rundir import CKPT, METRICS, MetricsLog, trim_metrics, write_atomic
 from raggedfsdp.train.data import DataConfig, get_batch, load_corpus
 from raggedfsdp.train.report import plot_losses
 
@@ -309,16 +310,19 @@ def _train(args, where: Where) -> int:
     start = 0
     if args.resume:
         where.at("loading the checkpoint")
+        # --resume-from names its checkpoint; --resume loads the newest (both checked
+        # complete and intact by the launcher)
+        source = args.resume_from or ckpt_root
         try:
-            start, _ = ckpt.load(ckpt_root, model, opt)
+            start, _ = ckpt.load(source, model, opt)
         except Exception as err:
-            raise _checkpoint_error(err, f"--resume: the checkpoint in '{ckpt_root}'") from err
+            raise _checkpoint_error(err, f"--resume: the checkpoint in '{source}'") from err
         with warnings.catch_warnings():  # the schedule catches up: no optimizer step is due
             warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step", UserWarning)
             for _ in range(start):
                 sched.step()
     if rank == 0 and args.resume:
-        trim_metrics(out / "metrics.jsonl", start)
+        trim_metrics(out / METRICS, start)
 
     def batch(step, split="train"):
         data = corpus.train if split == "train" else corpus.val
@@ -332,16 +336,23 @@ def _train(args, where: Where) -> int:
             world_size=spec.data_ranks,
         )
 
-    def one_step(step):
-        where.at("forward", step)
+    def one_step(step, after: str | None = None):
+        # after: a step measured after training (its batch is step's), named by it
+        def at(phase):
+            if after is None:
+                where.at(phase, step)
+            else:
+                where.at(f"{after}, a measured step's {phase}")
+
+        at("forward")
         x, y = batch(step)
         loss = lm_loss(model(x), y)
-        where.at("backward (gradient reduce-scatter)", step)
+        at("backward (gradient reduce-scatter)")
         loss.backward()
         finite = _grads_finite(model, loss.device)
-        where.at("gradient clipping (norm all-reduce)", step)
+        at("gradient clipping (norm all-reduce)")
         _clip(model, args, spec)
-        where.at("optimizer step", step)
+        at("optimizer step")
         opt.step()
         opt.zero_grad()
         sched.step()
@@ -354,7 +365,7 @@ def _train(args, where: Where) -> int:
         dist.all_reduce(value)
         return value.item() / world
 
-    log = open(out / "metrics.jsonl", "a" if args.resume else "w") if rank == 0 else None
+    log = MetricsLog(out / METRICS, append=args.resume) if rank == 0 else None
     bar = None
     if rank == 0 and not args.no_progress:
         from tqdm import tqdm
@@ -379,7 +390,7 @@ def _train(args, where: Where) -> int:
         record["tokens_per_s"] = tokens / dt
         if bad or not math.isfinite(loss):
             if rank == 0:
-                log.write(_dumps({**record, "non_finite": True}) + "\n")
+                log.append(_finite_or_none({**record, "non_finite": True}))
                 log.close()
             raise _diverged(step, loss, bool(bad), ckpt_root)
         if args.val_every and ((step + 1) % args.val_every == 0 or step + 1 == args.steps):
@@ -394,13 +405,15 @@ def _train(args, where: Where) -> int:
         # The step's record is on disk before its checkpoint: a job killed right after the
         # save must not resume past a step it never logged.
         if rank == 0:
-            log.write(_dumps(record) + "\n")
-            log.flush()
+            where.at(f"writing its record to {METRICS}", step)
+            log.append(_finite_or_none(record))
             if bar is not None:
                 bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens / dt:,.0f}")
                 bar.update(1)
         if args.ckpt_every and ((step + 1) % args.ckpt_every == 0 or step + 1 == end):
             where.at("checkpoint save", step)
+            if rank == 0:
+                log.sync()  # the records of its steps are durable before the checkpoint
             try:
                 ckpt.save(ckpt_root, model, opt, step=step + 1, keep_last=args.keep_last)
             except Exception as err:
@@ -411,9 +424,10 @@ def _train(args, where: Where) -> int:
     # counters slow a step down, so none of the timed steps is measured. One plain step
     # first, so the measured one starts where a training step does (after a backward,
     # not after the no-grad validation forward, which leaves FSDP2's root unsharded).
-    one_step(args.steps)
-    where.at("measuring a step", args.steps + 1)
-    measured = measure_step(model, lambda: one_step(args.steps + 1), args.backend)
+    after = f"after step {end - 1} (the job's last)"
+    one_step(args.steps, after)
+    where.at(f"{after}, measuring a step")
+    measured = measure_step(model, lambda: one_step(args.steps + 1, after), args.backend)
     steady = times[min(5, len(times) - 1) :] or times
     summary = {
         "backend": args.backend,
@@ -429,15 +443,17 @@ def _train(args, where: Where) -> int:
         "final_loss": loss,
         **measured,
     }
-    where.at("gathering the summary", group=dist.group.WORLD)
+    where.at(f"{after}, gathering the summary", group=dist.group.WORLD)
     gathered = [None] * world
     dist.all_gather_object(gathered, measured)
     if rank == 0:
         summary["peak_memory_bytes_max_rank"] = max(g.get("peak_memory_bytes", 0) for g in gathered)
-        (out / "summary.json").write_text(_dumps(summary, indent=1))
+        where.at(f"{after}, writing summary.json")
+        write_atomic(out / "summary.json", _dumps(summary, indent=1))
         log.close()
         if not args.no_plot:
-            plot_losses({args.backend: out / "metrics.jsonl"}, out / "loss.png", args.model)
+            where.at(f"{after}, plotting loss.png")
+            plot_losses({args.backend: out / METRICS}, out / "loss.png", args.model)
     dist.destroy_process_group()
     return 0
 

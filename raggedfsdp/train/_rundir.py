@@ -11,6 +11,7 @@ folder holds::
       summary.json    throughput, memory, communication of the last job
       loss.png        the loss curves
       ckpt/           the checkpoints (raggedfsdp.checkpoint)
+      superseded/     job_N/: what job N's --resume-from moved aside (see below)
 
 - A new run (no ``--resume``) starts only in an empty or absent folder; a folder
   that holds anything else is refused (it is another run's, or not a run at all)
@@ -23,18 +24,38 @@ folder holds::
   live job is refused (the kernel drops the lock of a killed job).
 - On resume the metrics are cut back to the steps before the checkpoint, so the
   file reads as the uninterrupted run's.
+- ``--resume`` checks the newest checkpoint's files (sizes, sha256) before any rank
+  starts; a damaged one is refused, naming the newest complete one before it.
+- ``--resume-from DIR`` continues from any complete checkpoint of the run (a
+  ``step_XXXXXXXX`` folder of its ``ckpt/``). The checkpoints newer than DIR and the
+  metrics of the steps after it are moved to ``superseded/job_N/`` (N: this job's line
+  in ``run.json``, which records the move): ``ckpt/`` then ends at DIR, so a later
+  ``--resume`` (and ``checkpoint.save``, which refuses a root holding a later step)
+  starts from this job's checkpoints, and nothing is deleted.
+
+[Note: run files are whole]
+``run.json`` and ``summary.json`` are replaced whole or not at all (``write_atomic``:
+a temporary name, fsync, ``os.replace``, fsync of the folder); a full disk leaves the
+previous file, or none, never a half one. ``metrics.jsonl`` is appended a record at a
+time (``MetricsLog``): one ``write`` per line, cut back to the previous line if the
+write fails half-way, and fsynced before each checkpoint is saved (a checkpoint is
+never durable before the records of its steps). A job killed in the middle of a write
+can still leave a torn last line: ``report.read_metrics`` skips it and a resume cuts
+it (``trim_metrics``).
 
 Everything here runs in the launcher before any rank starts, except ``trim_metrics``
-(rank 0, after loading the checkpoint).
+and ``MetricsLog`` (rank 0).
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import hashlib
 import json
 import os
+import re
 import shutil
 import socket
 import sys
@@ -46,19 +67,26 @@ __all__ = [
     "CKPT",
     "OUTPUTS",
     "RUN_FILE",
+    "SUPERSEDED",
     "TRAJECTORY",
+    "MetricsLog",
     "OutLock",
     "check_out",
+    "checkpoint_state",
     "data_digest",
     "latest_step",
     "prepare",
     "trim_metrics",
+    "write_atomic",
 ]
 
 RUN_FILE = "run.json"
 FORMAT = "raggedfsdp-train-run/1"
 CKPT = "ckpt"
-OUTPUTS = (CKPT, "metrics.jsonl", "summary.json", "loss.png", RUN_FILE, "args.json")
+SUPERSEDED = "superseded"
+METRICS = "metrics.jsonl"
+OUTPUTS = (CKPT, SUPERSEDED, METRICS, "summary.json", "loss.png", RUN_FILE, "args.json")
+_STEP_DIR = re.compile(r"step_(\d+)")  # a checkpoint's folder: see [Note: commit protocol]
 # The arguments that decide a run's numbers; a resume must not change them.
 TRAJECTORY = (
     "model",
@@ -110,6 +138,44 @@ def latest_step(out: Path) -> int | None:
     return None if found is None else int(found.name.removeprefix("step_"))
 
 
+def _newest_intact(out: Path, before: int | None = None) -> tuple[int, Path] | None:
+    """The newest complete checkpoint of the run whose files check out (before step
+    ``before``), or None. Reads the checkpoints it tries."""
+    from raggedfsdp.checkpoint import list_checkpoints, verify_checkpoint
+
+    for step, path in reversed(list_checkpoints(Path(out) / CKPT)):
+        if (before is None or step < before) and verify_checkpoint(path) is None:
+            return step, path
+    return None
+
+
+def checkpoint_state(args) -> str:
+    """The run's checkpoints as they are on disk, in a sentence: the launcher's last words
+    after a failed job. Reads (hashes) the newest checkpoint, and the ones before it when
+    it is damaged."""
+    from raggedfsdp.checkpoint import list_checkpoints, verify_checkpoint
+
+    found = list_checkpoints(Path(args.out) / CKPT)
+    if not found:
+        return "No checkpoint was saved" + ("" if args.ckpt_every else " (--ckpt-every 0)")
+    step, newest = found[-1]
+    problem = verify_checkpoint(newest)
+    if problem is None:
+        then = (
+            "--resume continues from it"
+            if step < args.steps
+            else f"it is the run's last step (--steps {args.steps})"
+        )
+        return f"The newest checkpoint, '{newest}' (step {step}), is complete: {then}"
+    good = _newest_intact(Path(args.out), before=step)
+    fix = (
+        f"pass --resume-from '{good[1]}' to continue from step {good[0]}"
+        if good
+        else "no earlier checkpoint is complete: start again with --overwrite"
+    )
+    return f"The newest checkpoint, '{newest}', is damaged ({problem}): {fix}"
+
+
 def _describe(run: dict) -> str:
     args = run["args"]
     jobs = run.get("jobs") or [{}]
@@ -139,6 +205,9 @@ def check_out(args, digest: str) -> int:
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise ValueError(f"train: --out '{out}' is a file, not a folder; pass a folder")
+    if args.resume_from is not None and args.overwrite:
+        raise ValueError("train: --resume-from continues the run in --out, --overwrite replaces "
+                         "it; pass one of them")  # fmt: skip
     if args.resume and args.overwrite:
         raise ValueError("train: --resume continues the run in --out, --overwrite replaces it; "
                          "pass one of them")  # fmt: skip
@@ -173,16 +242,71 @@ def check_out(args, digest: str) -> int:
             + ". Resume with the run's values, or start a new run (another --out, or "
             "--overwrite)"
         )
+    if args.resume_from is not None:
+        return _check_resume_from(args, out)
     step = latest_step(out)
     if step is None:
         raise ValueError(
             f"train: --resume: '{out / CKPT}' holds no complete checkpoint, nothing to resume; "
             "the run saved none (pass --ckpt-every K to save), or start again with --overwrite"
         )
+    from raggedfsdp.checkpoint import latest_checkpoint, verify_checkpoint
+
+    newest = latest_checkpoint(out / CKPT)
+    problem = verify_checkpoint(newest)
+    if problem is not None:
+        good = _newest_intact(out, before=step)
+        fix = (
+            f"Pass --resume-from '{good[1]}' to continue from step {good[0]} (the newer "
+            f"checkpoints are then moved aside, to '{out / SUPERSEDED}')"
+            if good
+            else "No earlier checkpoint is complete: start again with --overwrite"
+        )
+        raise ValueError(
+            f"train: --resume: the newest checkpoint of the run, '{newest}', is damaged "
+            f"({problem}); nothing was started. {fix}"
+        )
     if step >= args.steps:
         raise ValueError(
             f"train: --resume: the run has finished: its latest checkpoint is step {step}, "
             f"--steps is {args.steps}; pass a larger --steps to train on"
+        )
+    return step
+
+
+def _check_resume_from(args, out: Path) -> int:
+    """``--resume-from``: a complete, intact checkpoint of the run in ``out``; its step."""
+    from raggedfsdp.checkpoint import list_checkpoints, verify_checkpoint
+
+    target, root = Path(args.resume_from), out / CKPT
+    complete = list_checkpoints(root)
+    if target.resolve().parent != root.resolve() or not _STEP_DIR.fullmatch(target.name):
+        names = ", ".join(p.name for _, p in complete) or "none"
+        raise ValueError(
+            f"train: --resume-from '{target}' is not a checkpoint of the run in --out '{out}' "
+            f"(those are the step_XXXXXXXX folders in '{root}': {names}); pass one of them, or "
+            "the --out of the run that saved it"
+        )
+    step = int(_STEP_DIR.fullmatch(target.name).group(1))
+    problem = verify_checkpoint(target)
+    if problem is not None:
+        if any(p.name == target.name for _, p in complete):
+            good = _newest_intact(out, before=step)
+            fix = (
+                f"pass an earlier complete checkpoint: '{good[1]}'"
+                if good
+                else "no earlier checkpoint is complete: start again with --overwrite"
+            )
+            raise ValueError(f"train: --resume-from '{target}' is damaged ({problem}); {fix}")
+        names = ", ".join(p.name for _, p in complete) or "none"
+        raise ValueError(
+            f"train: --resume-from '{target}' is not a complete checkpoint: {problem}; the "
+            f"run's are {names} in '{root}'"
+        )
+    if step >= args.steps:
+        raise ValueError(
+            f"train: --resume-from: that checkpoint is step {step}, --steps is {args.steps}; "
+            "pass a larger --steps to train on"
         )
     return step
 
@@ -252,24 +376,152 @@ def prepare(args, digest: str) -> None:
             "data_sha256": digest,
             "jobs": [],
         }
+    if args.resume_from is not None:
+        moved = _supersede(args, out / SUPERSEDED / _free_name(out, len(run["jobs"]) + 1))
+        if moved is not None:
+            job["superseded"] = str(moved)
     run["jobs"].append(job)
-    tmp = out / (RUN_FILE + ".part")
-    tmp.write_text(json.dumps(run, indent=1))
-    os.replace(tmp, out / RUN_FILE)
+    write_atomic(out / RUN_FILE, json.dumps(run, indent=1))
+
+
+def _free_name(out: Path, job: int) -> str:
+    name, k = f"job_{job}", 1
+    while (out / SUPERSEDED / name).exists():  # a run.json replaced by hand: keep both
+        name, k = f"job_{job}.{k}", k + 1
+    return name
+
+
+def _supersede(args, aside: Path) -> Path | None:
+    """``--resume-from``: move the checkpoints after it and the metrics of its step and
+    later into ``aside`` (see [Note: a run owns its folder]); say so. None: nothing to move."""
+    from raggedfsdp.checkpoint import verify_checkpoint
+
+    out, target = Path(args.out), Path(args.resume_from)
+    step = int(_STEP_DIR.fullmatch(target.name).group(1))
+    newer = []
+    for entry in (out / CKPT).iterdir():
+        match = _STEP_DIR.fullmatch(entry.name)
+        if match and int(match.group(1)) > step:
+            newer.append((int(match.group(1)), entry))
+    if not newer:
+        return None  # the newest checkpoint: a plain --resume
+    aside.mkdir(parents=True)
+    keep, cut = _split_metrics(out / METRICS, step)
+    if cut:  # aside first: a job killed in between leaves the records twice, not lost
+        write_atomic(aside / METRICS, "".join(line + "\n" for line in cut))
+        write_atomic(out / METRICS, "".join(line + "\n" for line in keep))
+    described = []
+    for _, path in sorted(newer):
+        problem = verify_checkpoint(path)
+        described.append(path.name + (f" (damaged: {problem})" if problem else ""))
+        os.rename(path, aside / path.name)
+    _fsync_dir(out / CKPT)
+    _fsync_dir(aside)
+    steps = sorted(json.loads(line)["step"] for line in cut)
+    metrics = f" and the metrics of steps {steps[0]}-{steps[-1]}" if steps else ""
+    print(
+        f"train: --resume-from step {step}: moved the newer checkpoints {', '.join(described)}"
+        f"{metrics} to '{aside}'; '{out / CKPT}' now ends at step {step}, so a later --resume "
+        "continues this job; delete that folder once you no longer need it",
+        file=sys.stderr,
+    )
+    return aside
+
+
+def _split_metrics(path: Path, start: int) -> tuple[list[str], list[str]]:
+    """The lines of ``path`` of steps before ``start``, and of ``start`` and later (lines
+    that do not parse, blank or torn by a killed job, in neither)."""
+    keep, cut = [], []
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            (keep if record.get("step", -1) < start else cut).append(line)
+    return keep, cut
 
 
 def trim_metrics(path: Path, start: int) -> None:
     """Keep the records of steps before ``start`` (the ones the resumed job does not redo)."""
     if not path.is_file():
         return
-    keep = []
-    for line in path.read_text().splitlines():
+    keep, _ = _split_metrics(path, start)
+    write_atomic(path, "".join(line + "\n" for line in keep))
+
+
+# ---- run files: see [Note: run files are whole] -------------------------------------------------
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_atomic(path: Path, text: str | bytes) -> None:
+    """Replace ``path`` by ``text`` whole, or leave it as it was.
+
+    Raises:
+        OSError: naming the file and why (a full disk: ``ENOSPC``); the temporary is gone.
+    """
+    path = Path(path)
+    part = path.with_name(path.name + ".part")
+    data = text.encode() if isinstance(text, str) else text
+    try:
+        with open(part, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(part, path)
+    except OSError as err:
+        with contextlib.suppress(OSError):
+            part.unlink()
+        left = "the previous one is kept" if path.exists() else "no partial file is left"
+        why = err.strerror or str(err)
+        raise OSError(err.errno, f"{path.name} was not written ({why}): {left}", str(path)) from err
+    _fsync_dir(path.parent)
+
+
+class MetricsLog:
+    """``metrics.jsonl``, one whole line per record (rank 0). See [Note: run files are whole].
+
+    Args:
+        path: the file.
+        append: continue it (``--resume``); False: start it empty.
+    """
+
+    def __init__(self, path: Path, *, append: bool):
+        self.path = Path(path)
+        flags = os.O_WRONLY | os.O_CREAT | (os.O_APPEND if append else os.O_TRUNC)
+        self._fd = os.open(self.path, flags, 0o644)
+
+    def append(self, record: dict) -> None:
+        """Write ``record`` (JSON without nan or inf) as one line, or nothing.
+
+        Raises:
+            OSError: the line could not be written (the file is cut back to the lines
+                before it), naming its step.
+        """
+        line = memoryview((json.dumps(record, allow_nan=False) + "\n").encode())
+        end = os.lseek(self._fd, 0, os.SEEK_END)
         try:
-            record = json.loads(line)
-        except ValueError:  # blank, or torn by a job killed while writing it
-            continue
-        if record.get("step", -1) < start:
-            keep.append(line)
-    tmp = path.with_name(path.name + ".part")
-    tmp.write_text("".join(line + "\n" for line in keep))
-    os.replace(tmp, path)
+            while line:
+                line = line[os.write(self._fd, line) :]
+        except OSError as err:
+            os.ftruncate(self._fd, end)  # needs no space
+            raise OSError(
+                err.errno,
+                f"the record of step {record.get('step')} was not written to {self.path.name} "
+                f"({err.strerror or err}); the file holds the records before it, whole",
+                str(self.path),
+            ) from err
+
+    def sync(self) -> None:
+        """Make the records written so far durable (before a checkpoint that covers them)."""
+        os.fsync(self._fd)
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None

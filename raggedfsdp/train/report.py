@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 __all__ = ["mib", "plot_losses", "ratio", "read_metrics"]
@@ -27,8 +28,24 @@ def ratio(a: float, b: float) -> float:
 
 
 def read_metrics(path: str | Path) -> list[dict]:
-    """The records of a ``metrics.jsonl`` (one per step, validation lines included)."""
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    """The records of a ``metrics.jsonl`` (one per step, validation lines included).
+
+    A last line without its newline that does not parse is the record a killed job was
+    writing: it is skipped. Any other line that does not parse raises ``ValueError``.
+    """
+    text = Path(path).read_text()
+    lines = text.splitlines()
+    records = []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            if i == len(lines) - 1 and not text.endswith("\n"):
+                break  # torn by a job killed while writing it
+            raise
+    return records
 
 
 def plot_losses(runs: dict[str, Path], png: Path, title: str) -> None:
@@ -62,5 +79,11 @@ def plot_losses(runs: dict[str, Path], png: Path, title: str) -> None:
     ax.set_title(title)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(png, dpi=110)
-    plt.close(fig)
+    png = Path(png)
+    part = png.with_name(png.name + ".part")  # whole or not at all: a full disk leaves no half PNG
+    try:
+        fig.savefig(part, dpi=110, format="png")
+        os.replace(part, png)
+    finally:
+        plt.close(fig)
+        part.unlink(missing_ok=True)
