@@ -37,6 +37,12 @@ every comparison of trained numbers here derives its bound from the reference it
    pairwise, depth ``ceil(log2 n)``, then the ``w`` ranks' means are summed in a chain);
    for a parameter, one rounding of each of its updates, ``steps * u * max|p|``.
 
+4. **An implementation against a reference written apart** (a model against its
+   naive loop): both compute the same function in fp32 with other sums. The reference
+   runs again in float64 (the exact value, to fp32's eyes); the implementation must lie
+   within ``MULTIPLE`` times the fp32 reference's own error of it
+   (``assert_close_to_reference``: no more wrong than the reference, up to the factor).
+
 A genuine error (a lost gradient, a wrong scale, a missing step) moves the numbers by
 orders of magnitude more than this bound; the tests that must catch such errors keep
 a bound of this size, never a looser one.
@@ -122,30 +128,38 @@ def nudged_gradients(seed: int) -> Iterator[None]:
 # ---- the reference and its spread --------------------------------------------------------------
 @dataclass(frozen=True)
 class Reference:
-    """A one-process run and how much it moves under nudged gradients.
+    """A reference run and how much it moves under nudged gradients.
 
     Attributes:
-        losses: the plain run's per-step losses.
-        loss_spread: the largest ``|plain - nudged|`` over steps and seeds.
+        series: per-step numbers of the plain run by name: ``"loss"`` always, others
+            (``"grad_norm"``, ``"val_loss"``) where the test compares them.
+        spread: name -> the largest ``|plain - nudged|`` over steps and seeds.
         params: the plain run's final parameters (fqn -> full tensor), or None.
         param_spread: fqn -> the largest ``|plain - nudged|`` element, over seeds.
     """
 
-    losses: list[float]
-    loss_spread: float
+    series: dict[str, list[float]]
+    spread: dict[str, float]
     params: dict[str, torch.Tensor] | None = None
     param_spread: dict[str, float] | None = None
 
-    def loss_bound(self, world: int, tokens: int) -> float:
-        """The bound on ``max |got - losses|`` (rule 3 of [Note: derived tolerances]).
+    @property
+    def losses(self) -> list[float]:
+        return self.series["loss"]
+
+    def bound(self, world: int, terms: int, series: str = "loss") -> float:
+        """The bound on ``max |got - series|`` (rule 3 of [Note: derived tolerances]).
 
         Args:
-            world: how many partial means the distributed loss sums.
-            tokens: the loss terms in one step's mean.
+            world: how many partial sums the distributed number adds up (ranks, or
+                ranks x micro-batches).
+            terms: the terms one step's number sums (tokens of a mean loss, elements
+                of a norm).
+            series: which series.
         """
-        depth = math.ceil(math.log2(max(tokens, 2))) + world
-        floor = 2 * depth * U * max(abs(x) for x in self.losses)
-        return MULTIPLE * self.loss_spread + floor
+        depth = math.ceil(math.log2(max(terms, 2))) + world
+        floor = 2 * depth * U * max(abs(x) for x in self.series[series])
+        return MULTIPLE * self.spread[series] + floor
 
     def param_bound(self, name: str, steps: int) -> float:
         """The bound on ``max |got - params[name]|`` after ``steps`` updates."""
@@ -159,8 +173,10 @@ def reference(run: Callable[[], object], seeds: tuple[int, ...] = SEEDS) -> Refe
 
     Args:
         run: builds its model and trains it; returns the per-step losses, or
-            ``(losses, {fqn: final full parameter})``. In a spawned rank it may be a
-            distributed run (every rank nudges its own gradients with the same seed).
+            ``(losses, {fqn: final full parameter})``, or a dict of per-step series
+            (``"loss"`` among them) with the final parameters under ``"params"``. In a
+            spawned rank it may be a distributed run (every rank nudges its own
+            gradients with the same seed).
         seeds: the nudged runs (default ``SEEDS``).
     """
     with reference_threads():
@@ -169,35 +185,81 @@ def reference(run: Callable[[], object], seeds: tuple[int, ...] = SEEDS) -> Refe
         for seed in seeds:
             with nudged_gradients(seed):
                 nudged.append(_split(run()))
-    losses, params = plain
-    loss_spread = max(abs(a - b) for other, _ in nudged for a, b in zip(losses, other))
+    series, params = plain
+    spread = {
+        k: max(abs(a - b) for other, _ in nudged for a, b in zip(v, other[k]))
+        for k, v in series.items()
+    }
     param_spread = None
     if params is not None:
         param_spread = {
             k: max((v - other[k]).abs().max().item() for _, other in nudged)
             for k, v in params.items()
         }
-    return Reference(list(losses), loss_spread, params, param_spread)
+    return Reference(series, spread, params, param_spread)
 
 
-def _split(result) -> tuple[list[float], dict[str, torch.Tensor] | None]:
-    if isinstance(result, tuple):
+def from_runs(plain: dict[str, list[float]], nudged: list[dict[str, list[float]]]) -> Reference:
+    """A ``Reference`` of series already run (a CLI job plain and nudged, say)."""
+    spread = {
+        k: max(abs(a - b) for other in nudged for a, b in zip(v, other[k]))
+        for k, v in plain.items()
+    }
+    return Reference({k: list(v) for k, v in plain.items()}, spread)
+
+
+def _split(result) -> tuple[dict[str, list[float]], dict[str, torch.Tensor] | None]:
+    if isinstance(result, dict):
+        result = dict(result)
+        params = result.pop("params", None)
+    elif isinstance(result, tuple):
         losses, params = result
-        return list(losses), {k: v.detach().clone() for k, v in params.items()}
-    return list(result), None
+        result = {"loss": losses}
+    else:
+        result, params = {"loss": result}, None
+    series = {k: [float(x) for x in v] for k, v in result.items()}
+    if params is not None:
+        params = {k: v.detach().clone() for k, v in params.items()}
+    return series, params
 
 
 # ---- the checks ---------------------------------------------------------------------------------
-def assert_losses_match(got, ref: Reference, *, world: int, tokens: int, what: str = "") -> None:
-    """``got``'s per-step losses lie within ``ref.loss_bound`` of the reference's."""
-    assert len(got) == len(ref.losses), (len(got), len(ref.losses))
-    worst = max(abs(a - b) for a, b in zip(got, ref.losses))
-    bound = ref.loss_bound(world, tokens)
-    _log("losses", what, worst, ref.loss_spread, bound)
+def assert_losses_match(
+    got, ref: Reference, *, world: int, tokens: int, what: str = "", series: str = "loss"
+) -> None:
+    """``got``'s per-step numbers lie within ``ref.bound`` of the reference's.
+
+    Args:
+        got: per-step numbers of the run under test.
+        ref: the reference.
+        world: partial sums the run adds up (see ``Reference.bound``).
+        tokens: terms one step's number sums.
+        what: a prefix for the failure message.
+        series: which of the reference's series (default the loss).
+    """
+    want = ref.series[series]
+    assert len(got) == len(want), (len(got), len(want))
+    worst = max(abs(a - b) for a, b in zip(got, want))
+    bound = ref.bound(world, tokens, series)
+    _log(series, what, worst, ref.spread[series], bound)
     assert worst <= bound, (
-        f"{what}losses differ from the reference by {worst:.3g}, beyond the derived bound "
-        f"{bound:.3g} ({MULTIPLE:g} x the nudged reference's spread {ref.loss_spread:.3g} + "
-        f"the loss's rounding floor): {list(got)} vs {ref.losses}"
+        f"{what}{series} differs from the reference by {worst:.3g}, beyond the derived "
+        f"bound {bound:.3g} ({MULTIPLE:g} x the nudged reference's spread "
+        f"{ref.spread[series]:.3g} + the rounding floor): {list(got)} vs {want}"
+    )
+
+
+def assert_runs_agree(
+    a, b, ref: Reference, *, world: int, tokens: int, what: str = "", series: str = "loss"
+) -> None:
+    """Two runs of the reference's computation (raggedfsdp and FSDP2 in the same ranks)
+    agree within twice the bound: each lies within it of the reference."""
+    worst = max(abs(x - y) for x, y in zip(a, b))
+    bound = 2 * ref.bound(world, tokens, series)
+    _log(f"{series} (two runs)", what, worst, ref.spread[series], bound)
+    assert worst <= bound, (
+        f"{what}{series}: the two runs differ by {worst:.3g}, beyond twice the derived "
+        f"bound {bound:.3g}: {list(a)} vs {list(b)}"
     )
 
 
@@ -205,7 +267,7 @@ def assert_param_matches(
     name: str, got: torch.Tensor, ref: Reference, *, steps: int, what: str = ""
 ) -> None:
     """``got`` (a full parameter) lies within ``ref.param_bound`` of the reference's."""
-    assert ref.params is not None
+    assert ref.params is not None and ref.param_spread is not None
     worst = (got - ref.params[name]).abs().max().item()
     bound = ref.param_bound(name, steps)
     _log("param", f"{what}{name}", worst, ref.param_spread[name], bound)
@@ -213,6 +275,23 @@ def assert_param_matches(
         f"{what}{name}: differs from the reference by {worst:.3g}, beyond the derived bound "
         f"{bound:.3g} ({MULTIPLE:g} x the nudged reference's spread "
         f"{ref.param_spread[name]:.3g} + {steps} roundings)"
+    )
+
+
+def assert_close_to_reference(
+    got: torch.Tensor, want: torch.Tensor, want64: torch.Tensor, what: str = ""
+) -> None:
+    """``got``'s distance from the reference's float64 value ``want64`` is at most
+    ``MULTIPLE`` times the fp32 reference's own (rule 4 of [Note: derived tolerances]).
+    (The implementation itself need not run in float64: models keep routers and
+    rotations in fp32 on purpose.)"""
+    err_want = (want.double() - want64).abs().max().item()
+    err_got = (got.double() - want64).abs().max().item()
+    bound = MULTIPLE * err_want
+    _log("against float64", what, err_got, err_want, bound)
+    assert err_got <= bound, (
+        f"{what}{err_got:.3g} from the float64 reference, beyond {MULTIPLE:g} x the fp32 "
+        f"reference's own rounding error {err_want:.3g}"
     )
 
 

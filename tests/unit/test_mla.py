@@ -1,5 +1,6 @@
 """DeepSeek-V3's multi-head latent attention: catalogue shapes, training, causality, math."""
 
+import copy
 import dataclasses
 import math
 
@@ -8,6 +9,7 @@ import torch
 
 from raggedfsdp.models import Transformer, get_config, lm_loss, num_params, param_groups
 from raggedfsdp.models.transformer import MLAttention
+from tests.numerics import assert_close_to_reference
 
 CPU = torch.device("cpu")
 
@@ -88,7 +90,7 @@ def test_tiny_mla_trains_and_is_causal():
         changed = tokens[:, :-1].clone()
         changed[:, t] = (changed[:, t] + 1) % 256
         before, after = model(tokens[:, :-1]), model(changed)
-    torch.testing.assert_close(after[:, :t], before[:, :t], rtol=1e-6, atol=1e-6)
+    assert torch.equal(after[:, :t], before[:, :t])  # the same rows, the same ops
     assert not torch.allclose(after[:, t:], before[:, t:])
 
 
@@ -97,7 +99,7 @@ def _rotate(x, theta):
     S, d = x.shape
     pos = torch.arange(S, dtype=torch.float64, device=CPU)[:, None]
     freq = theta ** (-torch.arange(0, d, 2, dtype=torch.float64, device=CPU) / d)
-    angle = (pos * freq).float()  # (S, d/2)
+    angle = (pos * freq).to(x.dtype)  # (S, d/2)
     cos, sin = angle.cos(), angle.sin()
     a, b = x[:, 0::2], x[:, 1::2]
     return torch.stack([a * cos - b * sin, a * sin + b * cos], dim=-1).reshape(S, d)
@@ -140,12 +142,14 @@ def test_mla_equals_a_per_head_reference():
             p.copy_(torch.randn(p.shape, generator=g, device=CPU) / math.sqrt(fan_in))
     x = torch.randn(2, 12, TINY_MLA.dim, generator=g, device=CPU)
     with torch.no_grad():
-        got = attn(x, model.rope)
-        want = torch.stack(
-            [_reference_mla(attn, xb, model.rope_theta, attn.q_norm.eps) for xb in x]
+        got = attn(x, model.rope)  # rotary in fp32 whatever the dtype: no float64 path
+        attn64 = copy.deepcopy(attn).double()
+        want, want64 = (
+            torch.stack([_reference_mla(a, xb, model.rope_theta, attn.q_norm.eps) for xb in xs])
+            for a, xs in ((attn, x), (attn64, x.double()))
         )
     assert got.abs().mean() > 0.1
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert_close_to_reference(got, want, want64)
 
 
 def test_mla_config_errors():

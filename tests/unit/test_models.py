@@ -1,5 +1,6 @@
 """The trainable models: catalogue FQNs and shapes, meta init, MoE routing, training."""
 
+import copy
 import dataclasses
 
 import pytest
@@ -16,6 +17,9 @@ from raggedfsdp.models import (
 )
 from raggedfsdp.models.transformer import MoE, apply_rotary, rotary_table
 from raggedfsdp.train.data import DataConfig, get_batch, load_corpus
+from tests.numerics import assert_close_to_reference
+
+F32 = torch.float32
 
 NAMES = sorted(SMALL_CONFIGS)
 
@@ -150,7 +154,7 @@ def _naive_moe(moe: MoE, x):
     ex = moe.experts
     out = []
     for t in x.reshape(-1, x.shape[-1]):  # t: (D,)
-        probs = F.softmax(moe.router.gate(t).float(), dim=-1)
+        probs = F.softmax(moe.router.gate(t), dim=-1, dtype=torch.promote_types(t.dtype, F32))
         w, idx = torch.topk(probs, moe.router.top_k)
         w = w / w.sum()
         y = torch.zeros_like(t)
@@ -171,7 +175,7 @@ def test_moe_computes_every_routed_token(name):
     x = torch.randn(3, 17, config.dim, generator=torch.Generator().manual_seed(0))
     want = _naive_moe(moe, x)
     got = moe(x)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert_close_to_reference(got, want, _naive_moe(copy.deepcopy(moe).double(), x.double()))
     # every expert is used by 51 tokens x top-2 here, so every expert gets a gradient
     got.square().sum().backward()
     per_expert = moe.experts.w1.grad.flatten(1).abs().sum(1)
@@ -183,7 +187,8 @@ def test_moe_with_top_k_equal_to_every_expert():
     config = dataclasses.replace(get_config("moe-tiny"), name="moe-all", top_k=6)
     moe = next(b.moe for b in Transformer(config).layers if b.is_moe)
     x = torch.randn(2, 5, config.dim, generator=torch.Generator().manual_seed(1))
-    torch.testing.assert_close(moe(x), _naive_moe(moe, x), rtol=1e-5, atol=1e-5)
+    want64 = _naive_moe(copy.deepcopy(moe).double(), x.double())
+    assert_close_to_reference(moe(x), _naive_moe(moe, x), want64)
 
 
 def test_errors():
