@@ -15,14 +15,20 @@ every comparison of trained numbers here derives its bound from the reference it
    tensor (tests that check this use ``torch.equal``). A run resumed from a checkpoint at
    the same layout is the uninterrupted run, bit for bit.
 2. **Where it is not, the reference's own sensitivity.** The one-process reference runs
-   again with every gradient moved by ``NUDGE_ULPS`` units in the last place, up or down
-   at random (``nudged_gradients``: a global optimizer step pre-hook, so every reference
-   loop is perturbed without being rewritten), once per seed in ``SEEDS``. A summation in
-   another order of ``w`` partial sums is correct to within ``w - 1`` roundings of its
-   result's magnitude; ``NUDGE_ULPS`` = 2 ulp (4 roundings of half an ulp) models a sum
-   over up to 5 ranks, the most any test here spawns. The *spread* is the largest
-   difference between the plain and the nudged runs, over the steps and the seeds: what
-   the reference itself does when its gradients are summed in another order.
+   again with every gradient moved up or down at random (``nudged_gradients``: a global
+   optimizer step pre-hook, so every reference loop is perturbed without being
+   rewritten), once per seed in ``SEEDS``. By how much: an element of a gradient is a sum
+   over the step's tokens; one process reduces them with a tree of depth
+   ``ceil(log2 n)``, the ranks each reduce theirs and the reduce-scatter adds the ``w``
+   partial sums in a chain, and either order is within its depth of roundings of the sum
+   of the terms' magnitudes. ``NUDGE_ROUNDINGS`` = 17 is that depth for the largest step
+   any test here takes (``n`` = 384 tokens, 9 levels, over ``w`` = 8 ranks), each
+   rounding ``u`` relative, of ``max(|g|, the mean |g| of its row)``: where the partial
+   sums cancel, their size, not the small result's, sets the error (an embedding's row is
+   one token's). Gradients reduced in bf16 take bf16's ``u`` (``unit=2**-8``). The
+   *spread* is the largest difference between the plain and the nudged runs, over the
+   steps and the seeds: what the reference itself does when its gradients are summed in
+   another order.
 3. **The bound** on the distributed run's largest difference from the reference is
 
        ``MULTIPLE * spread + floor``
@@ -65,7 +71,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 U = 2.0**-24  # fp32 unit roundoff
-NUDGE_ULPS = 2
+NUDGE_ROUNDINGS = 17  # ceil(log2(384 tokens)) + 8 ranks: see the Note
 SEEDS = (1, 2)
 MULTIPLE = 4.0
 
@@ -93,22 +99,35 @@ def reference_threads() -> Iterator[None]:
 
 
 # ---- the perturbation ---------------------------------------------------------------------------
-def _nudge_(grad: torch.Tensor, gen: torch.Generator) -> None:
-    """Move every element of ``grad`` (a plain or DTensor gradient) ``NUDGE_ULPS`` ulps up
-    or down, the direction drawn from ``gen``."""
+def _nudge_(grad: torch.Tensor, gen: torch.Generator, unit: float) -> None:
+    """Move every element of ``grad`` (a plain or DTensor gradient) up or down, the
+    direction drawn from ``gen``, by ``NUDGE_ROUNDINGS`` roundings (``unit`` relative
+    each) of ``max(|g|, the mean |g| of its row)``.
+
+    A sum's rounding is relative to its terms, not to its result: where the ranks'
+    partial gradients cancel, the result is small and its error is that of the partials,
+    whose size is the typical gradient of its row (an embedding's row is one token's).
+    """
     local = grad.to_local() if hasattr(grad, "to_local") else grad
     if local.numel() == 0:
         return
-    up = torch.randint(0, 2, local.shape, generator=gen, device="cpu").bool()
-    target = torch.where(up, math.inf, -math.inf).to(device=local.device, dtype=local.dtype)
-    for _ in range(NUDGE_ULPS):
-        local.copy_(torch.nextafter(local, target))
+    up = torch.randint(0, 2, local.shape, generator=gen, device="cpu").to(local.device)
+    size = local.abs().float()
+    size = size.clamp(min=size.mean(dim=-1, keepdim=True) if size.dim() > 1 else size.mean())
+    step = size * (NUDGE_ROUNDINGS * unit)
+    local.add_(torch.where(up.bool(), step, -step).to(local.dtype))
 
 
 @contextmanager
-def nudged_gradients(seed: int) -> Iterator[None]:
+def nudged_gradients(seed: int, unit: float = U) -> Iterator[None]:
     """Within the block, every optimizer's step first nudges every gradient it is about
-    to read (``_nudge_``), with signs drawn from ``seed``."""
+    to read (``_nudge_``), with signs drawn from ``seed``.
+
+    Args:
+        seed: the directions.
+        unit: the unit roundoff of the arithmetic that summed the gradients: ``U`` (fp32),
+            or ``2**-8`` where they were reduced in bf16.
+    """
     gen = torch.Generator(device="cpu").manual_seed(seed)
 
     def hook(optimizer, args, kwargs):
@@ -116,7 +135,7 @@ def nudged_gradients(seed: int) -> Iterator[None]:
             for group in optimizer.param_groups:
                 for p in group["params"]:
                     if p.grad is not None:
-                        _nudge_(p.grad, gen)
+                        _nudge_(p.grad, gen, unit)
 
     handle = register_optimizer_step_pre_hook(hook)
     try:
@@ -168,7 +187,9 @@ class Reference:
         return MULTIPLE * self.param_spread[name] + floor
 
 
-def reference(run: Callable[[], object], seeds: tuple[int, ...] = SEEDS) -> Reference:
+def reference(
+    run: Callable[[], object], seeds: tuple[int, ...] = SEEDS, unit: float = U
+) -> Reference:
     """Run ``run`` plainly and once per seed under ``nudged_gradients``.
 
     Args:
@@ -178,12 +199,13 @@ def reference(run: Callable[[], object], seeds: tuple[int, ...] = SEEDS) -> Refe
             spawned rank it may be a distributed run (every rank nudges its own
             gradients with the same seed).
         seeds: the nudged runs (default ``SEEDS``).
+        unit: the gradients' unit roundoff (``nudged_gradients``).
     """
     with reference_threads():
         plain = _split(run())
         nudged = []
         for seed in seeds:
-            with nudged_gradients(seed):
+            with nudged_gradients(seed, unit):
                 nudged.append(_split(run()))
     series, params = plain
     spread = {
