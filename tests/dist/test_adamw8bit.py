@@ -26,6 +26,8 @@ from raggedfsdp.optim import AdamW8bit, adamw8bit_block_policy
 from tests.dist.test_fully_shard import SEQ, _micro_batches
 from tests.harness import run_cases, spawn
 
+pytestmark = pytest.mark.numerics
+
 STEPS = 10
 MODELS = ["llama-tiny", "moe-tiny"]
 # "fused": one lr, two weight decays (the whole-buffer path, decay by runs);

@@ -17,6 +17,9 @@ from torch.distributed.tensor import DTensor, init_device_mesh
 from raggedfsdp import fully_shard
 from raggedfsdp.fsdp import buffer_of
 from tests.harness import run_cases, spawn
+from tests.numerics import assert_close_to_reference
+
+pytestmark = pytest.mark.numerics
 
 WORLD = 4
 
@@ -69,9 +72,23 @@ def _check_value(rank, value, expect_sharded, expect_block_state):
     assert _group_state(ours) == expect_block_state
     out_ref.square().mean().backward()
     out.square().mean().backward()
-    for (name, p), q in zip(ref.named_parameters(), ours.parameters()):
-        torch.testing.assert_close(q.grad.full_tensor(), p.grad.full_tensor(), msg=name)
+    # FSDP2 reduces the ranks' gradients in another order than ours (a last-bit
+    # difference): both against the one-process float64 gradient of the ranks' mean loss,
+    # ours no further from it than 4x FSDP2's own error (rule 4 of [Note: derived
+    # tolerances] in tests/numerics.py), over all parameters at once
+    got = torch.cat([q.grad.full_tensor().flatten() for q in ours.parameters()])
+    want = torch.cat([p.grad.full_tensor().flatten() for p in ref.parameters()])
+    assert_close_to_reference(got, want, _grads64(), what=f"{value}: gradients: ")
     assert _group_state(ours) == "sharded"
+
+
+def _grads64() -> torch.Tensor:
+    """The gradients (flat, in parameter order) of the mean over the ranks' losses, in
+    float64 on one process."""
+    net = _Net().double()  # the same seeded initial values
+    xs = [torch.randn(4, 8, generator=torch.Generator().manual_seed(r)) for r in range(WORLD)]
+    (sum(net(x.double()).square().mean() for x in xs) / WORLD).backward()
+    return torch.cat([p.grad.flatten() for p in net.parameters()])
 
 
 def _check_transitions():

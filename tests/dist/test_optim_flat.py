@@ -25,6 +25,8 @@ from raggedfsdp.optim import AdamW, AdamW8bit, Muon, adamw8bit_block_policy, muo
 from tests.dist.test_fully_shard import SEQ, _micro_batches
 from tests.harness import run_cases, spawn
 
+pytestmark = pytest.mark.numerics
+
 STEPS = 3
 FROZEN = "layers.0.attention.wk.weight"  # in a block's buffer, between other matrices
 

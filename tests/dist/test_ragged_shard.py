@@ -1,9 +1,17 @@
-"""RaggedShard as a DTensor placement, on 1-4 gloo ranks, against full-tensor references.
+"""RaggedShard as a DTensor placement, on 1-5 gloo ranks, against full-tensor references.
 
 Each test spawns once per world size and runs a grid of layouts inside: units with
 empty ranks, dims prefixes (0,) and (0, 1), several dtypes.
+
+Comparisons are bitwise where the arithmetic is the same as the reference's (data
+movement, element-wise ops, exact sums, max / min / counts); a norm or sum that adds the
+ranks' parts in another order lies within ``_reduction_bound`` of it, a bound derived
+from the rounding of the operations themselves ([Note: derived tolerances] in
+``tests/numerics.py``).
 """
 
+import math
+from fractions import Fraction
 from functools import partial
 
 import pytest
@@ -23,6 +31,9 @@ from torch.distributed.tensor.debug import CommDebugMode
 
 from raggedfsdp import RaggedShard
 from tests.harness import run_cases, spawn
+from tests.numerics import _log
+
+pytestmark = pytest.mark.numerics
 
 WORLDS = [1, 2, 3, 4]
 
@@ -53,6 +64,56 @@ def _layouts(world):
 
 def _counts(comm: CommDebugMode) -> dict[str, int]:
     return {k._qualified_op_name: v for k, v in comm.get_comm_counts().items()}
+
+
+def _gamma(k: float, u: float) -> float:
+    """``k u / (1 - k u)``: the relative error of ``k`` roundings of unit roundoff ``u``
+    compounded (second-order terms included)."""
+    return k * u / (1 - k * u)
+
+
+def _reduction_bound(xs, p, world: int, levels: int) -> float:
+    """The most two computations of the ``p``-norm of all elements of ``xs`` may differ by
+    (``p=None``: their sum) when they add the terms in other orders, over ``world`` ranks,
+    and take the p-th root of partial sums at other points.
+
+    Derivation (``u``: the unit roundoff of the dtype of ``xs``). Each result lies within
+    the following of the exact value, so twice it bounds their difference:
+
+    - a sum of signed terms, in any order: a term passes through at most ``n - 1``
+      additions inside the tensors, ``world - 1`` across ranks and ``len(xs) - 1`` across
+      tensors, so the error is at most ``(n + world + len(xs)) u sum|x|``;
+    - a p-norm: every term ``|x|**p`` is >= 0, so every error is relative to the result.
+      Each term's ``pow`` is within 1 ulp (2u); the sum adds the count above; each of
+      ``levels`` partial norms taken and raised back to p (a rank's local norm,
+      clip_grad_norm_'s per-tensor norm) turns its root's 2u into 2pu, adds its power's
+      2u, and moves its partial sum ``s`` by ``u |ln s|`` where ``fl(1/p) * p != 1``
+      (``s**(fl(1/p) p) = s**(1 + d)``, ``|d| <= u``; exact for p = 1, 2); the final root
+      divides that by p and adds 2u + ``u |ln S| / p``. Every partial sum ``s`` lies
+      between the least non-zero term and the total ``S``, which bound ``|ln s|``.
+    """
+    u = torch.finfo(xs[0].dtype).eps / 2
+    flat = torch.cat([x.detach().reshape(-1).double() for x in xs])
+    adds = flat.numel() + world + len(xs)
+    if p is None:
+        return 2 * _gamma(adds, u) * flat.abs().sum().item()
+    terms = flat.abs() ** p
+    total = terms.sum().item()
+    if total == 0:
+        return 0.0
+    log_s = 0.0
+    if Fraction(1 / p) * Fraction(p) != 1:
+        least = terms[terms > 0].min().item()
+        log_s = max(abs(math.log(least)), abs(math.log(total)))
+    k_sum = 2 + adds + levels * (2 * p + 2 + log_s)
+    k_norm = k_sum / p + 2 + log_s / p
+    return 2 * _gamma(k_norm, u) * total ** (1 / p)
+
+
+def _assert_within(got, want, bound, what=""):
+    diff = (got.double() - want.double()).abs().max().item()
+    _log("reduction order", what, diff, 0.0, bound)
+    assert diff <= bound, f"{what}: {got} vs {want}: differ by {diff:.3g} > derived {bound:.3g}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -111,7 +172,9 @@ def _check_partial_to_ragged(mesh, rs, shape, dtype, world):
             out = p.redistribute(mesh, [rs])
         assert _counts(comm) == {"c10d::_reduce_scatter_base_": 1}  # a true reduce-scatter
         assert out.placements == (rs,)
-        torch.testing.assert_close(out.to_local(), rs.local_view(expect.to(dtype), rank))
+        # float64 holding fp32 values: full * k and every sum of those are exact, and
+        # avg's division lands on the representable full * (world + 1) / 2: bitwise
+        assert torch.equal(out.to_local(), rs.local_view(expect.to(dtype), rank)), reduce_op
 
 
 def _check_autograd(mesh, rs, shape):
@@ -127,16 +190,16 @@ def _check_autograd(mesh, rs, shape):
     z = distribute_tensor(full, mesh, [Replicate()]).requires_grad_()
     (z.redistribute(mesh, [rs]) * 3).sum().backward()
     assert z.grad.placements == (Replicate(),)
-    torch.testing.assert_close(z.grad.full_tensor(), torch.full_like(full, 3.0))
+    assert torch.equal(z.grad.full_tensor(), torch.full_like(full, 3.0))  # 3.0s, moved
 
 
 def _check_elementwise(mesh, rs, shape, dtype):
     a_full, b_full = _full(shape, dtype, 0), _full(shape, dtype, 1)
     a, b = distribute_tensor(a_full, mesh, [rs]), distribute_tensor(b_full, mesh, [rs])
 
-    def same(t, ref):
+    def same(t, ref):  # the same element-wise op on the same values: the same bits
         assert t.placements == (rs,), t.placements
-        torch.testing.assert_close(t.full_tensor(), ref)
+        assert torch.equal(t.full_tensor(), ref)
 
     same(a * 2 + b, a_full * 2 + b_full)
     same(torch.lerp(a, b, 0.3), torch.lerp(a_full, b_full, 0.3))
@@ -151,16 +214,19 @@ def _check_elementwise(mesh, rs, shape, dtype):
     same(c, b_full)
 
 
-def _check_norms(mesh, rs, shape):
+def _check_norms(mesh, rs, shape, world):
     full = _full(shape, torch.float64)
     d = distribute_tensor(full, mesh, [rs])
     for p in [2, 1, 3.5, float("inf"), float("-inf"), 0]:
-        got = torch.linalg.vector_norm(d, p).full_tensor()
-        torch.testing.assert_close(got, torch.linalg.vector_norm(full, p))
-        got = torch._foreach_norm([d, d * 2], p)
-        for g, ref in zip(got, [full, full * 2]):
-            torch.testing.assert_close(g.full_tensor(), torch.linalg.vector_norm(ref, p))
-    torch.testing.assert_close(d.sum().full_tensor(), full.sum())
+        got = [torch.linalg.vector_norm(d, p), *torch._foreach_norm([d, d * 2], p)]
+        for g, ref in zip(got, [full, full, full * 2]):
+            g, want = g.full_tensor(), torch.linalg.vector_norm(ref, p)
+            if p in (float("inf"), float("-inf"), 0):  # a max, min or count: exact
+                assert torch.equal(g, want), (p, g, want)
+            else:  # each rank's norm, raised to p, summed over ranks, rooted
+                _assert_within(g, want, _reduction_bound([ref], p, world, levels=1), f"p={p}")
+    want = full.sum()
+    _assert_within(d.sum().full_tensor(), want, _reduction_bound([full], None, world, 0), "sum")
 
 
 def _grid_core(rank, world):
@@ -178,7 +244,7 @@ def _grid_core(rank, world):
         )
         cases[f"autograd {name}"] = partial(_check_autograd, mesh, rs, shape)
         cases[f"elementwise {name}"] = partial(_check_elementwise, mesh, rs, shape, torch.float32)
-        cases[f"norms {name}"] = partial(_check_norms, mesh, rs, shape)
+        cases[f"norms {name}"] = partial(_check_norms, mesh, rs, shape, world)
     run_cases(cases)
 
 
@@ -214,10 +280,11 @@ def _check_optimizer(mesh, make_opt, units):
     for ref, p, rs in zip(refs, params, places):
         assert p.placements == (rs,)
         assert p.to_local().shape == rs.local_shape(ref.shape, rank)
-        torch.testing.assert_close(p.full_tensor(), ref.detach(), rtol=1e-6, atol=1e-6)
+        # element-wise updates of the very same gradients: the same bits
+        assert torch.equal(p.full_tensor(), ref.detach())
 
 
-def _check_clip(mesh, units, norm_type, foreach):
+def _check_clip(mesh, units, norm_type, foreach, world):
     fulls = [_grad(shape, 0, i) for i, (shape, _) in enumerate(PARAM_SHAPES)]
     refs = [nn.Parameter(torch.zeros_like(f)) for f in fulls]
     places = [RaggedShard(dims, units) for _, dims in PARAM_SHAPES]
@@ -230,9 +297,36 @@ def _check_clip(mesh, units, norm_type, foreach):
         p.grad = distribute_tensor(f, mesh, [rs])
     ref_norm = nn.utils.clip_grad_norm_(refs, 0.5, norm_type=norm_type, foreach=foreach)
     norm = nn.utils.clip_grad_norm_(params, 0.5, norm_type=norm_type, foreach=foreach)
-    torch.testing.assert_close(norm.full_tensor(), ref_norm)
-    for ref, p in zip(refs, params):
-        torch.testing.assert_close(p.grad.full_tensor(), ref.grad)
+    norm = norm.full_tensor()
+    if math.isinf(norm_type):  # a max: exact, and so is all that follows from it
+        assert torch.equal(norm, ref_norm), (norm, ref_norm)
+    else:  # levels: each rank's norm and each tensor's norm, raised back to p
+        bound = _reduction_bound(fulls, norm_type, world, levels=2)
+        _assert_within(norm, ref_norm, bound, f"clip p={norm_type}")
+    if torch.equal(norm, ref_norm):  # the same coefficient times the same gradients
+        for ref, p in zip(refs, params):
+            assert torch.equal(p.grad.full_tensor(), ref.grad)
+        return
+    # Each side scales by c = min(1, 0.5 / (norm + 1e-6)) of its own norm: two roundings
+    # from the exact c of that norm (4u between the two sides), which moves by at most
+    # c |dnorm| / (norm - |dnorm|); then one rounding of each product (2u between the two
+    # sides): |dgrad| <= |g| c (|dnorm| / (norm - |dnorm|) + 6u), 6u compounded.
+    u = torch.finfo(norm.dtype).eps / 2
+    want = ref_norm.double().item()
+    c = min(1.0, 0.5 / (want + 1e-6))
+    dnorm = abs(norm.double().item() - want)
+    for ref, p, f in zip(refs, params, fulls):
+        bound = f.double().abs() * c * (dnorm / (want - dnorm) + _gamma(6, u))
+        diff = (p.grad.full_tensor().double() - ref.grad.double()).abs()
+        i = (diff / bound).argmax()
+        _log(
+            "clipped grad",
+            f"p={norm_type}",
+            diff.flatten()[i].item(),
+            0.0,
+            bound.flatten()[i].item(),
+        )
+        assert bool((diff <= bound).all()), f"clipped grads differ by {diff.max():.3g}"
 
 
 OPTIMIZERS = {
@@ -257,7 +351,7 @@ def _grid_optim(rank, world):
         for norm_type in (2.0, 1.0, float("inf")):
             for foreach in (True, False):
                 cases[f"clip p={norm_type} foreach={foreach} units={units}"] = partial(
-                    _check_clip, mesh, units, norm_type, foreach
+                    _check_clip, mesh, units, norm_type, foreach, world
                 )
     run_cases(cases)
 

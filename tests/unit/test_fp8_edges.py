@@ -29,6 +29,8 @@ from raggedfsdp.fsdp import Float8BlockAllGather
 from raggedfsdp.fsdp._fp8 import Fp8Layout
 from raggedfsdp.planner import DEFAULT_ALIGNMENT_BYTES, TensorSpec, plan_buffer
 
+pytestmark = pytest.mark.numerics
+
 F32, BF16, E8M0 = torch.float32, torch.bfloat16, torch.float8_e8m0fnu
 WORLD = 2
 LEAST = 2.0**-126  # the least scale: fp32's least normal number

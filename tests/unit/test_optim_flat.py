@@ -28,6 +28,8 @@ from raggedfsdp.optim._flat import (
 )
 from raggedfsdp.optim._quant import Blocks, dynamic_tree_map
 
+pytestmark = pytest.mark.numerics
+
 ADAMW = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
 
 
