@@ -263,7 +263,7 @@ def assert_losses_match(
     assert len(got) == len(want), (len(got), len(want))
     worst = max(abs(a - b) for a, b in zip(got, want))
     bound = ref.bound(world, tokens, series)
-    _log(series, what, worst, ref.spread[series], bound)
+    log_check(series, what, worst, ref.spread[series], bound)
     assert worst <= bound, (
         f"{what}{series} differs from the reference by {worst:.3g}, beyond the derived "
         f"bound {bound:.3g} ({MULTIPLE:g} x the nudged reference's spread "
@@ -278,7 +278,7 @@ def assert_runs_agree(
     agree within twice the bound: each lies within it of the reference."""
     worst = max(abs(x - y) for x, y in zip(a, b))
     bound = 2 * ref.bound(world, tokens, series)
-    _log(f"{series} (two runs)", what, worst, ref.spread[series], bound)
+    log_check(f"{series} (two runs)", what, worst, ref.spread[series], bound)
     assert worst <= bound, (
         f"{what}{series}: the two runs differ by {worst:.3g}, beyond twice the derived "
         f"bound {bound:.3g}: {list(a)} vs {list(b)}"
@@ -292,7 +292,7 @@ def assert_param_matches(
     assert ref.params is not None and ref.param_spread is not None
     worst = (got - ref.params[name]).abs().max().item()
     bound = ref.param_bound(name, steps)
-    _log("param", f"{what}{name}", worst, ref.param_spread[name], bound)
+    log_check("param", f"{what}{name}", worst, ref.param_spread[name], bound)
     assert worst <= bound, (
         f"{what}{name}: differs from the reference by {worst:.3g}, beyond the derived bound "
         f"{bound:.3g} ({MULTIPLE:g} x the nudged reference's spread "
@@ -310,14 +310,14 @@ def assert_close_to_reference(
     err_want = (want.double() - want64).abs().max().item()
     err_got = (got.double() - want64).abs().max().item()
     bound = MULTIPLE * err_want
-    _log("against float64", what, err_got, err_want, bound)
+    log_check("against float64", what, err_got, err_want, bound)
     assert err_got <= bound, (
         f"{what}{err_got:.3g} from the float64 reference, beyond {MULTIPLE:g} x the fp32 "
         f"reference's own rounding error {err_want:.3g}"
     )
 
 
-def _log(kind: str, what: str, worst: float, spread: float, bound: float) -> None:
+def log_check(kind: str, what: str, worst: float, spread: float, bound: float) -> None:
     """Append the check's figures to ``$RAGGEDFSDP_NUMERICS_LOG`` (JSON lines), if set:
     how close each check runs to its bound, on this machine's kernels."""
     path = os.environ.get("RAGGEDFSDP_NUMERICS_LOG")

@@ -31,7 +31,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 
 from raggedfsdp import RaggedShard
 from tests.harness import run_cases, spawn
-from tests.numerics import _log
+from tests.numerics import log_check
 
 pytestmark = pytest.mark.numerics
 
@@ -112,7 +112,7 @@ def _reduction_bound(xs, p, world: int, levels: int) -> float:
 
 def _assert_within(got, want, bound, what=""):
     diff = (got.double() - want.double()).abs().max().item()
-    _log("reduction order", what, diff, 0.0, bound)
+    log_check("reduction order", what, diff, 0.0, bound)
     assert diff <= bound, f"{what}: {got} vs {want}: differ by {diff:.3g} > derived {bound:.3g}"
 
 
@@ -319,7 +319,7 @@ def _check_clip(mesh, units, norm_type, foreach, world):
         bound = f.double().abs() * c * (dnorm / (want - dnorm) + _gamma(6, u))
         diff = (p.grad.full_tensor().double() - ref.grad.double()).abs()
         i = (diff / bound).argmax()
-        _log(
+        log_check(
             "clipped grad",
             f"p={norm_type}",
             diff.flatten()[i].item(),
