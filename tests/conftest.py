@@ -10,6 +10,12 @@ settings.load_profile("reproducible")
 
 
 def pytest_configure(config):
+    from tests.numerics import DETERMINISTIC
+
+    if DETERMINISTIC:  # `make test-numerics`: here as in every rank (tests/harness.py)
+        import torch
+
+        torch.use_deterministic_algorithms(True)
     config.addinivalue_line(
         "markers",
         "numerics: compares trained numbers against a reference under a derived bound "

@@ -28,6 +28,9 @@ TINY_MLA = dataclasses.replace(
 )
 
 
+pytestmark = pytest.mark.numerics
+
+
 @pytest.fixture(autouse=True)
 def _two_threads():
     old = torch.get_num_threads()

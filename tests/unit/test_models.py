@@ -167,6 +167,7 @@ def _naive_moe(moe: MoE, x):
     return torch.stack(out).view(x.shape)
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("name", ["moe-tiny", "moe-small"])
 def test_moe_computes_every_routed_token(name):
     config = get_config(name)
@@ -183,6 +184,7 @@ def test_moe_computes_every_routed_token(name):
     assert moe.router.gate.weight.grad.abs().sum() > 0
 
 
+@pytest.mark.numerics
 def test_moe_with_top_k_equal_to_every_expert():
     config = dataclasses.replace(get_config("moe-tiny"), name="moe-all", top_k=6)
     moe = next(b.moe for b in Transformer(config).layers if b.is_moe)
