@@ -35,8 +35,8 @@ every comparison of trained numbers here derives its bound from the reference it
 
    ``MULTIPLE`` = 4: the distributed run is one more draw of the same rounding noise, so
    its difference is of the spread's size; the factor covers a draw up to 4 times the
-   largest of ``len(SEEDS)`` draws, and gradients whose partial sums cancel (their
-   rounding is relative to the partial sums, not to the result). The *floor* is what a
+   largest of ``len(SEEDS)`` draws (two draws each within the spread of the reference
+   differ by up to twice it; the rest is the scatter between draws). The *floor* is what a
    difference of summation order does to the number compared before any update has
    happened: for a loss, the mean of ``n`` fp32 terms computed by another reduction
    tree, at most ``2 * (ceil(log2 n) + w) * u * |L|`` (``u = 2**-24``; torch reduces
