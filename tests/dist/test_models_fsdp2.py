@@ -58,16 +58,18 @@ def _losses(name: str, rank: int, world: int | None) -> list[float]:
     return losses
 
 
-def _check(name: str, rank: int, world: int) -> None:
-    want = reference(partial(_losses, name, 0, None))  # in every rank: no collective
+NAMES = ("llama-tiny", "moe-tiny", "llama-tiny-tied")
+
+
+def _check(name: str, rank: int, world: int, want) -> None:
     got = _losses(name, rank, world)
     assert_losses_match(got, want, world=world, tokens=BATCH * SEQ, what=f"{name}: ")
 
 
-def _grid(rank, world):
-    names = ("llama-tiny", "moe-tiny", "llama-tiny-tied")
-    run_cases({n: partial(_check, n, rank, world) for n in names})
+def _grid(rank, world, refs):
+    run_cases({n: partial(_check, n, rank, world, refs[n]) for n in NAMES})
 
 
 def test_models_train_under_fsdp2_with_single_process_losses():
-    spawn(3, _grid)
+    refs = {n: reference(partial(_losses, n, 0, None)) for n in NAMES}  # once, here
+    spawn(3, _grid, refs)
