@@ -1,10 +1,10 @@
 """Every hook that makes ``RaggedShard`` a working DTensor placement in torch 2.13.
 
 [Note: DTensor patches]
-DTensor 2.13 has no registry for new placements (see shared/notes/
-dtensor-extension-points.md). This module is the one place that patches it; each
-patch handles a DTensor only when a ``RaggedShard`` is among its placements and
-hands every other DTensor to torch's original code unchanged:
+DTensor 2.13 has no registry for new placements (its sharding propagation, redistribute
+and ``full_tensor`` know only its own placements). This module is the one place that
+patches it; each patch handles a DTensor only when a ``RaggedShard`` is among its
+placements and hands every other DTensor to torch's original code unchanged:
 
 =====================================  ==============================================
 patched                                what it does for RaggedShard

@@ -1,6 +1,6 @@
 """An audit of tensor factories called from library code without naming a device.
 
-CONVENTIONS.md rule 18: every tensor created in library code says where it lives
+The project's rule: every tensor created in library code says where it lives
 (``device=``, or ``*_like`` / ``x.new_*``); a CPU constant made on purpose says
 ``device="cpu"``. ``DeviceAudit`` is a ``TorchFunctionMode`` that records each call
 of a factory (``torch.empty``, ``zeros``, ``tensor``, ``arange``, ...) whose direct

@@ -1,4 +1,4 @@
-"""Hugging Face Llama and Qwen3-MoE with raggedfsdp against torch's FSDP2 (issue 11).
+"""Hugging Face Llama and Qwen3-MoE with raggedfsdp against torch's FSDP2.
 
 Tiny configs, no downloads. For each model, on 2 gloo ranks, the large-model recipe runs
 twice in the same processes, with ``torch.distributed.fsdp.fully_shard`` and with

@@ -1,4 +1,4 @@
-"""torchtitan 0.3.0 trains llama3 ``debugmodel`` with raggedfsdp by import alone (issue 11).
+"""torchtitan 0.3.0 trains llama3 ``debugmodel`` with raggedfsdp by import alone.
 
 Each configuration trains on 2 gloo ranks through torchtitan's own entry (its
 ``ConfigManager`` parses a command line, ``config.build()`` makes the ``Trainer``,

@@ -1,4 +1,4 @@
-"""Nothing lost, nothing silent, on 2 gloo ranks (issue 12): every exception raised on one
+"""Nothing lost, nothing silent, on 2 gloo ranks: every exception raised on one
 rank inside ``checkpoint.save`` / ``load`` is raised on every rank (it used to leave the
 others blocked in the next collective), and a nan in one rank's shard stops every rank's
 save. One spawn runs every case; the model and optimizer stay as they were.

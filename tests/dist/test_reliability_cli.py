@@ -1,4 +1,4 @@
-"""Nothing lost, nothing silent, through ``python -m raggedfsdp train`` on 2 gloo ranks (issue 12).
+"""Nothing lost, nothing silent, through ``python -m raggedfsdp train`` on 2 gloo ranks.
 
 Five jobs (spawning is the slow part), each showing several guarantees of
 ``docs/reliability.md``; the optimizer of each is a different ``--optim`` value, so every

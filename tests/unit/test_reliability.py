@@ -1,4 +1,4 @@
-"""Nothing lost, nothing silent: the checkpoint API in one process (issue 12).
+"""Nothing lost, nothing silent: the checkpoint API in one process.
 
 Each test is one guarantee of ``docs/reliability.md``: a non-finite state is never
 saved over a good one; a root never gets a checkpoint older than one already there

@@ -50,7 +50,7 @@ def test_help_documents_every_option(capsys):
         ),
         (["--data", "/nonexistent/corpus.txt"], r"/nonexistent/corpus.txt"),
         (["--nproc", "0"], r"--nproc must be >= 1"),
-        # issue 12, item 7: each of these used to fail inside the ranks, 10-17 s in
+        # each of these used to fail inside the ranks, 10-17 s in
         (["--batch-size", "0"], r"--batch-size must be >= 1, got 0"),
         (["--keep-last", "0"], r"--keep-last must be >= 1, got 0"),
         (["--val-batches", "0"], r"--val-batches must be >= 1, got 0"),
@@ -75,7 +75,7 @@ def test_help_documents_every_option(capsys):
         (["--backend", "fsdp2", "--block-rows", "4"], r"--block-rows applies to the raggedfsdp"),
         (["--resume", "--overwrite"], r"--resume continues the run in --out, --overwrite"),
         (["--resume"], r"--resume: '.*out' holds no run \(run.json is missing\), nothing to"),
-        # issue 13: meshes of exactly the job's ranks, checked against the model
+        # meshes of exactly the job's ranks, checked against the model
         (
             ["--mesh", "replicate=2,shard=3", "--nproc", "4"],
             r"--mesh replicate=2,shard=3 has 2 x 3 = 6 ranks, but the job has 4; make R x S "
@@ -171,7 +171,7 @@ def test_bad_data_fails_before_any_spawn(data, argv, match, capsys, tmp_path):
 
 
 def test_a_folder_of_another_run_or_of_anything_is_refused(capsys, tmp_path):
-    """Issue 12, item 1: a new run into a non-empty --out is refused unless --overwrite
+    """A new run into a non-empty --out is refused unless --overwrite
     (the CLI tests of tests/dist/test_reliability_cli.py cover the runs themselves)."""
     out = tmp_path / "out"
     out.mkdir()
