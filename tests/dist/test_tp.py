@@ -43,7 +43,7 @@ from tests.numerics import (
 )
 
 pytestmark = pytest.mark.numerics
-SEQ, STEPS, WORLD = 16, 10, 4
+SEQ, STEPS, WORLD = 16, 6, 4
 MODELS = ("llama-tiny", "moe-tiny")
 
 
