@@ -187,6 +187,18 @@ class BufferView:
         return group._grads_hold_params or any(ref.grad_in_place for ref in group.refs)
 
     @property
+    def grads_in_params_ran(self) -> bool | None:
+        """Whether the last backward wrote the gradients over the parameters ([Note:
+        gradients in place]); False: it used ``unsharded_grad``; None before any backward."""
+        return self._group.grads_in_params_ran
+
+    @property
+    def grad_storage_reason(self) -> str | None:
+        """Why the last backward used ``unsharded_grad`` (``grads_in_params=False``,
+        ``create_graph=True``, a hook that may read the parameters...), else None."""
+        return self._group.grad_storage_reason
+
+    @property
     def unsharded_nbytes(self) -> int:
         """Bytes of ``unsharded`` (and of ``unsharded_grad``) while allocated."""
         return self.layout.global_size * self.compute_dtype.itemsize

@@ -100,9 +100,11 @@ class GroupSet:
         for g in self.groups:
             g.release_dropped_grads()
 
-    def prepare_grads(self, unsharded: bool = True, reshard: bool = True) -> None:
+    def prepare_grads(
+        self, unsharded: bool = True, reshard: bool = True, module_hooks: str | None = None
+    ) -> None:
         for g in self.groups:
-            g.prepare_grads(unsharded=unsharded, reshard=reshard)
+            g.prepare_grads(unsharded=unsharded, reshard=reshard, module_hooks=module_hooks)
 
     @property
     def needs_post_backward(self) -> bool:

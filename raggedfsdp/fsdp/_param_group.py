@@ -86,6 +86,7 @@ class ParamRef:
     sharded_grad: DTensor | None = None  # DTensor over a shard-gradient view (cached)
     got_grad: bool = False  # this rank accumulated a gradient into it this backward
     grad_in_place: bool = False  # its gradient replaced its unsharded value this backward
+    assigned_grad: torch.Tensor | None = None  # the unsharded .grad we set (a storage view)
     hooks: list = field(default_factory=list)
 
     def register(self, param: nn.Parameter) -> None:
@@ -234,6 +235,8 @@ class ParamGroup:
         self.needs_post_backward = False
         self.grads_in_params = grads_in_params
         self._in_place = False  # this backward writes gradients over the parameters
+        self.grads_in_params_ran: bool | None = None  # the last backward's mode (reported)
+        self.grad_storage_reason: str | None = None  # why it kept a gradient storage
         self._grads_hold_params = False  # the global parameter storage holds gradients
         self._reduce: PendingReduce | None = None
         self.requires_gradient_sync = True
@@ -364,6 +367,9 @@ class ParamGroup:
         )  # see [Note: version counter]
         self._post_forward_piece = None
         for ref in self.refs:
+            if ref.requires_grad != ref.sharded.requires_grad:  # frozen / unfrozen since
+                self._forget_unsharded(ref)
+                ref.requires_grad = ref.sharded.requires_grad
             if ref.unsharded is None:
                 view = self.dbuf.global_view(ref.fqn)
                 if ref.tp is not None:  # the module's TP DTensor over the view
@@ -377,6 +383,14 @@ class ParamGroup:
                     )
             ref.register(ref.unsharded)
         self.state = ShardedState.UNSHARDED
+
+    def _forget_unsharded(self, ref: ParamRef) -> None:
+        """Drop ``ref``'s unsharded parameter (and our hooks on it): the next unshard
+        makes a new one, with the sharded parameter's ``requires_grad``."""
+        for handle in ref.hooks:
+            handle.remove()
+        ref.hooks.clear()
+        ref.unsharded, ref.sharded_grad, ref.assigned_grad = None, None, None
 
     def reshard(self, post_forward: bool = False, free: bool = True) -> None:
         """Free the global storage; the modules hold the sharded parameters again.
@@ -412,13 +426,17 @@ class ParamGroup:
         if self._reduce is None and all(ref.sharded.grad is None for ref in self.refs):
             self.dbuf.shard_grads.free()
 
-    def prepare_grads(self, unsharded: bool = True, reshard: bool = True) -> None:
+    def prepare_grads(
+        self, unsharded: bool = True, reshard: bool = True, module_hooks: str | None = None
+    ) -> None:
         """Get ready for the group's gradients (pre-backward); see [Note: gradient storage].
 
         Args:
             unsharded: the parameters were unsharded for backward (False after
                 ``set_unshard_in_backward(False)``: backward needs only their gradients).
             reshard: ``post_backward`` will reshard (``reshard_after_backward``).
+            module_hooks: a module backward hook that may read the group's parameters
+                in backward (named), or None.
         """
         if unsharded:
             self._expect("prepare_grads (pre-backward)", ShardedState.UNSHARDED)
@@ -427,14 +445,38 @@ class ParamGroup:
         # reduces after its last call's backward, and may then run backward again:
         # finish that reduce and gather the rest in fresh gradient storage.
         self.wait_reduce()
-        self._in_place = (
-            self.grads_in_params
-            and unsharded
-            and reshard
-            and self.requires_gradient_sync
-            and self._accumulated is None
-            and not self.dbuf.global_grads.allocated
-        )
+        self.grad_storage_reason = self._separate_storage_reason(unsharded, reshard, module_hooks)
+        self._in_place = self.grad_storage_reason is None
+        self.grads_in_params_ran = self._in_place
+
+    def _separate_storage_reason(
+        self, unsharded: bool, reshard: bool, module_hooks: str | None
+    ) -> str | None:
+        """Why this backward's gradients cannot be written over the parameters ([Note:
+        gradients in place]), or None when they can."""
+        if not self.grads_in_params:
+            return "fully_shard(..., grads_in_params=False)"
+        if not unsharded:
+            return "set_unshard_in_backward(False)"
+        if not reshard:
+            return "set_reshard_after_backward(False)"
+        if not self.requires_gradient_sync or self._accumulated is not None:
+            return "gradient accumulation without sync"
+        if self.dbuf.global_grads.allocated:
+            return "a second backward before the gradients were reduced"
+        if torch.is_grad_enabled():
+            return "backward with create_graph=True (the gradients are differentiable)"
+        if module_hooks is not None:
+            return module_hooks
+        for ref in self.refs:
+            p = ref.unsharded
+            if p is None or not ref.requires_grad:
+                continue
+            if len(p._backward_hooks or {}) > 1:  # ours is one
+                return f"a tensor hook on parameter {ref.fqn!r}"
+            if len(getattr(p, "_post_accumulate_grad_hooks", None) or {}) > 1:
+                return f"a post-accumulate-grad hook on the unsharded parameter {ref.fqn!r}"
+        return None
 
     def _first_grad_hook(self, ref: ParamRef, grad: torch.Tensor) -> torch.Tensor:
         """Tensor hook of every unsharded parameter: runs before autograd accumulates
@@ -467,12 +509,19 @@ class ParamGroup:
         autograd still holds the group's other parameters, saved in forward and checked
         for in-place changes when their nodes run.
 
-        When it does not apply (the group keeps a gradient storage of its own, [Note:
-        gradient storage]): ``fully_shard(..., grads_in_params=False)``; gradients
+        When it does not apply, decided per group at each pre-backward (the group keeps a
+        gradient storage of its own, [Note: gradient storage]; ``BufferView`` reports
+        which ran and why): ``fully_shard(..., grads_in_params=False)``; gradients
         accumulated without sync (the parameters are gathered again for the next
-        microbatch); ``reshard_after_backward=False``; ``unshard_in_backward=False``.
-        What it asks of the model: nothing reads a parameter's value in backward after
-        its gradient is complete (a ``detach()``-ed use whose backward runs later). A
+        microbatch); ``reshard_after_backward=False``; ``unshard_in_backward=False``;
+        and wherever something may read a parameter after its gradient is complete:
+        grad mode on in backward (``create_graph=True``: the gradients' own graph reads
+        the parameters), a user's tensor hook or post-accumulate-grad hook on an
+        unsharded parameter, a module backward hook (or pre-hook) on any module of the
+        group's subtree, or a global one. A ``.grad`` that autograd or a hook replaced
+        out of place is copied into the storage at ``post_backward``.
+        What is left to the model: nothing else reads a parameter's value in backward
+        after its gradient is complete (a ``detach()``-ed use saved for a later node). A
         parameter whose gradient arrives twice in one backward (reentrant activation
         checkpointing of a parameter used in two checkpointed regions) raises.
         """
@@ -487,7 +536,8 @@ class ParamGroup:
         ref.grad_in_place = True
         grad = self.dbuf.global_grad_view(ref.fqn, in_params=True)
         grad.zero_()
-        ref.unsharded.grad = grad if ref.tp is None else ref.tp.unsharded(grad, False)
+        ref.assigned_grad = grad if ref.tp is None else ref.tp.unsharded(grad, False)
+        ref.unsharded.grad = ref.assigned_grad
 
     def _take_param_storage(self) -> torch.Tensor:
         """``post_backward`` under [Note: gradients in place]: zero what is not a gradient,
@@ -537,8 +587,40 @@ class ParamGroup:
         self.dbuf.global_grads.alloc(zero=True)
         for ref in self.refs:
             if ref.requires_grad and ref.unsharded is not None and ref.unsharded.grad is None:
-                grad = self.dbuf.global_grad_view(ref.fqn)
-                ref.unsharded.grad = grad if ref.tp is None else ref.tp.unsharded(grad, False)
+                self._point_at_storage(ref)
+                ref.unsharded.grad = ref.assigned_grad
+
+    def _point_at_storage(self, ref: ParamRef) -> None:
+        grad = self.dbuf.global_grad_view(ref.fqn)
+        ref.assigned_grad = grad if ref.tp is None else ref.tp.unsharded(grad, False)
+
+    def _adopt_replaced_grads(self) -> None:
+        """Copy into the gradient storage every unsharded ``.grad`` that is not the view
+        we set: autograd replaces a ``.grad`` out of place when grad mode is on in
+        backward (``create_graph=True``), and a user's hook may assign one. One copy per
+        such parameter, only then; the common step has none."""
+        for ref in self.refs:
+            p = ref.unsharded
+            if p is None or not ref.requires_grad or p.grad is ref.assigned_grad:
+                continue
+            grad = p.grad
+            if grad is None:  # cleared after it was pointed at the storage: no gradient
+                local = ref.assigned_grad.to_local() if ref.tp is not None else ref.assigned_grad
+                local.zero_()
+                ref.got_grad = False
+                continue
+            if ref.assigned_grad is None:  # no storage view yet: make one
+                if self._in_place:
+                    self._grad_over_param(ref)
+                else:
+                    if not self.dbuf.global_grads.allocated:
+                        self._alloc_grads()
+                    self._point_at_storage(ref)
+            target = ref.assigned_grad.to_local() if ref.tp is not None else ref.assigned_grad
+            grad = grad.detach()
+            target.copy_(grad.to_local() if ref.tp is not None else grad)
+            p.grad = ref.assigned_grad
+            ref.got_grad = True
 
     def post_backward(self, reshard: bool) -> None:
         """The group's gradients are complete: start the reduce-scatter (or keep them)."""
@@ -548,6 +630,7 @@ class ParamGroup:
                 f"(state {self.state.value})"
             )
         self.needs_post_backward = False
+        self._adopt_replaced_grads()
         in_place = None  # the parameter storage, holding the gradients
         if self._in_place:
             in_place = self._take_param_storage()
@@ -628,6 +711,7 @@ class ParamGroup:
         for ref in self.refs:
             if ref.unsharded is not None:
                 ref.unsharded.grad = None
+            ref.assigned_grad = None
         self.dbuf.global_grads.free()
 
     @property
@@ -678,6 +762,7 @@ class ParamGroup:
         for ref in self.refs:
             if ref.unsharded is not None:
                 ref.unsharded.grad = None
+            ref.assigned_grad = None
         self.dbuf.global_grads.free()
         if self._grads_hold_params:  # see [Note: gradients in place]
             self._grads_hold_params = False
@@ -736,8 +821,17 @@ class ParamGroup:
                     ref.sharded_grad._local_tensor.copy_(part)
                 else:
                     existing._local_tensor.add_(part)
-                    continue
-            ref.sharded.grad = ref.sharded_grad
+            if direct or existing is None:
+                ref.sharded.grad = ref.sharded_grad
+            _run_post_accumulate_grad_hooks(ref.sharded)
+
+
+def _run_post_accumulate_grad_hooks(param: nn.Parameter) -> None:
+    """As FSDP2: a sharded parameter's post-accumulate-grad hooks run once its reduced
+    gradient is set (optimizer in backward steps it there). Autograd never runs them:
+    the sharded parameter is not in the graph."""
+    for hook in (getattr(param, "_post_accumulate_grad_hooks", None) or {}).values():
+        hook(param)
 
 
 def _mark_got_grad(ref: ParamRef):

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
+from torch.nn.modules.module import _global_backward_hooks, _global_backward_pre_hooks
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from raggedfsdp.fsdp._device import new_group_like
@@ -298,11 +299,26 @@ class FSDPState:
                     self.group.unshard()
                     self.group.wait_for_unshard()
                 self.group.prepare_grads(
-                    unsharded=self.unshard_in_backward, reshard=self.reshard_after_backward
+                    unsharded=self.unshard_in_backward,
+                    reshard=self.reshard_after_backward,
+                    module_hooks=self._module_backward_hook(),
                 )
             for prev in self._prefetch_targets(forward=False):
                 prev.group.unshard(async_op=True)
         return grad
+
+    def _module_backward_hook(self) -> str | None:
+        """A module backward hook that may read this group's parameters in backward (named),
+        or None: such a hook runs after the gradients of the module's parameters, so they
+        must not be written over the parameters ([Note: gradients in place])."""
+        if _global_backward_hooks or _global_backward_pre_hooks:
+            return "a global module backward hook (register_module_full_backward_hook)"
+        for top in self.modules:
+            for name, m in top.named_modules():
+                if m._backward_hooks or m._backward_pre_hooks:
+                    where = f"{type(top).__name__}.{name}" if name else type(m).__name__
+                    return f"a backward hook on module {where}"
+        return None
 
     def _register_post_backward(self, args, kwargs):
         flat, spec = tree_flatten((args, kwargs))

@@ -1,0 +1,271 @@
+"""Everyday autograd patterns against torch's FSDP2 on 2 gloo ranks: double backward,
+tensor hooks and module backward hooks that read weights, optimizer in backward
+(post-accumulate-grad hooks on the sharded parameters), and the patterns a gradient
+storage must survive (retain_graph, a second backward, ``autograd.grad``, activation
+checkpointing, frozen parameters, tying, a module called twice, accumulation).
+
+Each case runs the same model, data and calls under FSDP2 and under raggedfsdp. On 2
+ranks the comparison is bitwise: both gather the same parameters, so each rank computes
+the same local gradients with the same kernels; the reduction of two addends is the same
+sum in either order, and the average's halving is exact. ``grads_in_params`` True and
+False are both checked: the choice of gradient storage must never change a number.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.fsdp as torch_fsdp
+from torch import nn
+from torch.distributed.tensor import DTensor, init_device_mesh
+from torch.utils.checkpoint import checkpoint
+
+import raggedfsdp
+from raggedfsdp.fsdp import buffers_of
+from tests.harness import run_cases, spawn
+
+pytestmark = pytest.mark.numerics
+
+
+class _MLP(nn.Module):
+    def __init__(self, checkpointed: bool = False, twice: bool = False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.l1 = nn.Linear(8, 16)
+        self.l2 = nn.Linear(16, 16)
+        self.l3 = nn.Linear(16, 4)
+        self.checkpointed = checkpointed
+        self.twice = twice
+
+    def forward(self, x):
+        h = torch.tanh(self.l1(x))
+        if self.checkpointed:
+            h = checkpoint(lambda t: torch.tanh(self.l2(t)), h, use_reentrant=False)
+        else:
+            h = torch.tanh(self.l2(h))
+        if self.twice:  # the same module, its parameters used twice in one forward
+            h = torch.tanh(self.l2(h))
+        return self.l3(h)
+
+
+def _shard(fully_shard, model, mesh, **kw):
+    for m in (model.l1, model.l2, model.l3):
+        fully_shard(m, mesh=mesh, **kw)
+    fully_shard(model, mesh=mesh, **kw)
+    return model
+
+
+def _data(rank, steps=2):
+    gen = torch.Generator().manual_seed(11)
+    xs = torch.randn(steps, 4, 6, 8, generator=gen)
+    return [x[2 * rank : 2 * rank + 2] for x in xs]
+
+
+def _full(t):
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _grads(model):
+    return {n: None if p.grad is None else _full(p.grad) for n, p in model.named_parameters()}
+
+
+def _params(model):
+    return {n: _full(p.detach()) for n, p in model.named_parameters()}
+
+
+def _equal(got: dict, want: dict, what: str) -> None:
+    assert got.keys() == want.keys(), (what, got.keys(), want.keys())
+    for name in want:
+        g, w = got[name], want[name]
+        if w is None or g is None:
+            assert g is None and w is None, (
+                f"{what}: {name}: {'None' if g is None else 'a tensor'}, FSDP2's "
+                f"{'None' if w is None else 'a tensor'}"
+            )
+            continue
+        diff = (g - w).abs().max().item()
+        assert torch.equal(g, w), f"{what}: {name} differs from FSDP2's by {diff:.3g}"
+
+
+def _compare(rank, world, pattern, *, model_kw=None, **shard_kw):
+    """``pattern(model, rank) -> dict`` under FSDP2 and raggedfsdp (both gradient modes);
+    every value of the dicts must be bitwise equal."""
+    mesh = init_device_mesh("cpu", (world,))
+    ref = pattern(_shard(torch_fsdp.fully_shard, _MLP(**(model_kw or {})), mesh), rank)
+    for in_params in (True, False):
+        model = _shard(
+            raggedfsdp.fully_shard,
+            _MLP(**(model_kw or {})),
+            mesh,
+            grads_in_params=in_params,
+            **shard_kw,
+        )
+        got = pattern(model, rank)
+        for key in ref:
+            _equal(got[key], ref[key], f"grads_in_params={in_params} {key}")
+
+
+# ---- the patterns ---------------------------------------------------------------------------
+def _create_graph(model, rank):
+    x = _data(rank)[0]
+    model(x).square().mean().backward(create_graph=True)
+    return {"grads": _grads(model)}
+
+
+def _gradient_penalty(model, rank):
+    """WGAN-GP: the input gradient's norm is part of the loss (double backward through
+    the weights)."""
+    x = _data(rank)[0].requires_grad_()
+    out = model(x).square().mean()
+    (gx,) = torch.autograd.grad(out, x, create_graph=True)
+    (out + gx.square().sum()).backward()
+    return {"grads": _grads(model)}
+
+
+def _tensor_hook_reads_weight(model, rank):
+    """An L2 term added by a gradient hook on the weight, registered during forward."""
+    handles = []
+
+    def register(module, args):
+        w = module.weight
+        handles.append(w.register_hook(lambda g: g + 0.5 * w.detach()))
+
+    for m in (model.l1, model.l2):
+        m.register_forward_pre_hook(register)
+    for x in _data(rank):
+        model(x).square().mean().backward()
+        for h in handles:
+            h.remove()
+        handles.clear()
+    return {"grads": _grads(model)}
+
+
+def _backward_hook_reads_weight(model, rank):
+    seen = {}
+
+    def record(module, grad_input, grad_output):
+        seen[f"{id(module)}"] = module.weight.detach().clone()
+
+    model.l2.register_full_backward_hook(record)
+    model(_data(rank)[0]).square().mean().backward()
+    return {"grads": _grads(model), "read in the hook": {"l2.weight": seen[f"{id(model.l2)}"]}}
+
+
+def _optimizer_in_backward(model, rank):
+    """torchtune's / torchtitan's pattern: one optimizer per parameter, stepped by its
+    post-accumulate-grad hook (after FSDP's reduce-scatter), so no step follows backward."""
+    optims = {p: torch.optim.SGD([p], lr=0.1, momentum=0.9) for p in model.parameters()}
+    calls = []
+
+    def step(p):
+        calls.append(p)
+        optims[p].step()
+        optims[p].zero_grad()
+
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(step)
+    for x in _data(rank, steps=3):
+        model(x).square().mean().backward()
+    n = len(list(model.parameters()))
+    assert len(calls) == 3 * n, f"post-accumulate-grad hooks ran {len(calls)} times of {3 * n}"
+    return {"params": _params(model)}
+
+
+def _retain_graph_twice(model, rank):
+    loss = model(_data(rank)[0]).square().mean()
+    loss.backward(retain_graph=True)
+    loss.backward()
+    return {"grads": _grads(model)}
+
+
+def _autograd_grad(model, rank):
+    out = model(_data(rank)[0]).square().mean()
+    x = _data(rank)[1].requires_grad_()
+    (gx,) = torch.autograd.grad(model(x).sum(), x)
+    (out + (gx * 0.1).sum() * 0).backward()
+    return {"grads": _grads(model), "input grads": {"x": gx}}
+
+
+def _frozen_first_layer(model, rank):
+    model.l1.weight.requires_grad_(False)
+    model.l1.bias.requires_grad_(False)
+    for x in _data(rank):
+        model(x).square().mean().backward()
+    return {"grads": _grads(model)}
+
+
+def _accumulate_no_sync(model, rank):
+    for i, x in enumerate(_data(rank, steps=3)):
+        model.set_requires_gradient_sync(i == 2)
+        model(x).square().mean().backward()
+    return {"grads": _grads(model)}
+
+
+PATTERNS = {
+    "create_graph": (_create_graph, {}),
+    "tensor hook reads the weight": (_tensor_hook_reads_weight, {}),
+    "full backward hook reads the weight": (_backward_hook_reads_weight, {}),
+    "optimizer in backward": (_optimizer_in_backward, {}),
+    "retain_graph, two backwards": (_retain_graph_twice, {}),
+    "autograd.grad then backward": (_autograd_grad, {}),
+    "checkpointed layer": (_retain_graph_twice, {"checkpointed": True}),
+    "frozen first layer": (_frozen_first_layer, {}),
+    "module called twice": (_retain_graph_twice, {"twice": True}),
+    "accumulate without sync": (_accumulate_no_sync, {}),
+}
+
+
+def _all_patterns(rank, world):
+    run_cases(
+        {
+            name: (lambda fn=fn, kw=kw: _compare(rank, world, fn, model_kw=kw))
+            for name, (fn, kw) in PATTERNS.items()
+        }
+    )
+
+
+def test_everyday_patterns_equal_fsdp2():
+    spawn(2, _all_patterns)
+
+
+def _penalty_raises_as_in_fsdp2(rank, world):
+    """WGAN-GP's double backward after ``autograd.grad``: the second backward reads
+    parameters the first one resharded. FSDP2 raises; so must raggedfsdp (never a
+    silently different gradient)."""
+    mesh = init_device_mesh("cpu", (world,))
+    for fully_shard in (torch_fsdp.fully_shard, raggedfsdp.fully_shard):
+        model = _shard(fully_shard, _MLP(), mesh)
+        with pytest.raises(RuntimeError, match="out of bounds for storage of size 0"):
+            _gradient_penalty(model, rank)
+
+
+def test_gradient_penalty_raises_as_fsdp2():
+    spawn(2, _penalty_raises_as_in_fsdp2)
+
+
+# ---- which gradient storage ran --------------------------------------------------------------
+def _mode_reported(rank, world):
+    mesh = init_device_mesh("cpu", (world,))
+    model = _shard(raggedfsdp.fully_shard, _MLP(), mesh)
+    x = _data(rank)[0]
+    assert {b.grads_in_params_ran for b in buffers_of(model)} == {None}  # no backward yet
+    model(x).square().mean().backward()
+    assert {b.grads_in_params_ran for b in buffers_of(model)} == {True}
+    assert {b.grad_storage_reason for b in buffers_of(model)} == {None}
+    model(x).square().mean().backward(create_graph=True)
+    assert {b.grads_in_params_ran for b in buffers_of(model)} == {False}
+    reasons = {b.grad_storage_reason for b in buffers_of(model)}
+    assert reasons == {"backward with create_graph=True (the gradients are differentiable)"}
+    model.l2.register_full_backward_hook(lambda *a: None)
+    model.zero_grad()
+    model(x).square().mean().backward()
+    ran = [buffers_of(m)[0].grads_in_params_ran for m in (model.l1, model.l2, model.l3)]
+    assert ran == [True, False, True], ran
+    reason = buffers_of(model.l2)[0].grad_storage_reason
+    assert reason == "a backward hook on module FSDPLinear", reason
+    dist.barrier()
+
+
+def test_buffers_report_the_gradient_storage_that_ran():
+    spawn(2, _mode_reported)
