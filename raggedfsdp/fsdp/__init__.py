@@ -8,6 +8,7 @@ from raggedfsdp.fsdp._api import FSDP2_SURFACE, FSDPModule, UnshardHandle, fully
 from raggedfsdp.fsdp._buffers import BufferView, ParamSlice, buffer_of, buffers_of
 from raggedfsdp.fsdp._fp8 import Float8BlockAllGather
 from raggedfsdp.fsdp._group_ops import clip_grad_norm_
+from raggedfsdp.fsdp._hooks import reads_no_parameters
 from raggedfsdp.fsdp._policy import BlockPolicy, BlockRows, MixedPrecisionPolicy
 
 __all__ = [
@@ -24,4 +25,5 @@ __all__ = [
     "buffers_of",
     "clip_grad_norm_",
     "fully_shard",
+    "reads_no_parameters",
 ]

@@ -18,6 +18,7 @@ from raggedfsdp.dbuffer import DBuffer
 from raggedfsdp.fsdp._buffers import OWNER_ATTR, BufferView
 from raggedfsdp.fsdp._device import new_group_like, streams_for
 from raggedfsdp.fsdp._fp8 import Float8BlockAllGather, Fp8Layout
+from raggedfsdp.fsdp._hooks import may_read_parameters, reads_no_parameters
 from raggedfsdp.fsdp._policy import MixedPrecisionPolicy, resolve_block_rows
 from raggedfsdp.fsdp._state import PostForwardGroup
 from raggedfsdp.fsdp._tp import TPSpec, tp_spec_of
@@ -376,7 +377,7 @@ class ParamGroup:
                     view = ref.tp.unsharded(view, ref.requires_grad)
                 ref.unsharded = nn.Parameter(view, requires_grad=ref.requires_grad)
                 if ref.requires_grad:
-                    hook = functools.partial(self._first_grad_hook, ref)
+                    hook = reads_no_parameters(functools.partial(self._first_grad_hook, ref))
                     ref.hooks.append(ref.unsharded.register_hook(hook))
                     ref.hooks.append(
                         ref.unsharded.register_post_accumulate_grad_hook(_mark_got_grad(ref))
@@ -472,9 +473,11 @@ class ParamGroup:
             p = ref.unsharded
             if p is None or not ref.requires_grad:
                 continue
-            if len(p._backward_hooks or {}) > 1:  # ours is one
+            if may_read_parameters((p._backward_hooks or {}).values()):
                 return f"a tensor hook on parameter {ref.fqn!r}"
-            if len(getattr(p, "_post_accumulate_grad_hooks", None) or {}) > 1:
+            if may_read_parameters(
+                (getattr(p, "_post_accumulate_grad_hooks", None) or {}).values()
+            ):
                 return f"a post-accumulate-grad hook on the unsharded parameter {ref.fqn!r}"
         return None
 
@@ -838,4 +841,4 @@ def _mark_got_grad(ref: ParamRef):
     def hook(_param):
         ref.got_grad = True
 
-    return hook
+    return reads_no_parameters(hook)

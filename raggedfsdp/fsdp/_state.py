@@ -30,6 +30,7 @@ from torch.nn.modules.module import _global_backward_hooks, _global_backward_pre
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from raggedfsdp.fsdp._device import new_group_like
+from raggedfsdp.fsdp._hooks import may_read_parameters
 from raggedfsdp.fsdp._policy import MixedPrecisionPolicy
 
 if TYPE_CHECKING:
@@ -311,11 +312,15 @@ class FSDPState:
         """A module backward hook that may read this group's parameters in backward (named),
         or None: such a hook runs after the gradients of the module's parameters, so they
         must not be written over the parameters ([Note: gradients in place])."""
-        if _global_backward_hooks or _global_backward_pre_hooks:
+        if may_read_parameters(
+            [*_global_backward_hooks.values(), *_global_backward_pre_hooks.values()]
+        ):
             return "a global module backward hook (register_module_full_backward_hook)"
         for top in self.modules:
             for name, m in top.named_modules():
-                if m._backward_hooks or m._backward_pre_hooks:
+                if may_read_parameters(
+                    [*m._backward_hooks.values(), *m._backward_pre_hooks.values()]
+                ):
                     where = f"{type(top).__name__}.{name}" if name else type(m).__name__
                     return f"a backward hook on module {where}"
         return None

@@ -185,7 +185,9 @@ def layout_figures(model: nn.Module, backend: str, split: dict[str, tuple]) -> d
     """``padding_ratio``: padded elements / parameter elements of the communication
     buffers (this rank's TP / EP coordinate: the tensors ``fully_shard`` laid out);
     ``buffers`` and ``gapped_stacks``: this rank's buffers and the stacks laid out with
-    member gaps in them (``None`` for FSDP2, which has no buffers).
+    member gaps in them; ``grads_in_params_buffers``: the buffers whose last backward
+    wrote the gradients over the parameters, and ``grad_storage_reasons`` why the others
+    did not (``None`` for FSDP2, which has no buffers).
 
     Args:
         model: the sharded model.
@@ -198,15 +200,28 @@ def layout_figures(model: nn.Module, backend: str, split: dict[str, tuple]) -> d
             numel, rows = math.prod(shape), shape[0] if shape else 1
             pad += (math.ceil(rows / m) * m - rows) * (numel // rows)
             total += numel
-        return {"padding_ratio": pad / total, "buffers": None, "gapped_stacks": None}
+        return {
+            "padding_ratio": pad / total,
+            "buffers": None,
+            "gapped_stacks": None,
+            "grads_in_params_buffers": None,
+            "grad_storage_reasons": None,
+        }
     from raggedfsdp.fsdp import buffers_of
 
-    layouts = [buf.layout for buf in buffers_of(model)]
+    bufs = buffers_of(model)
+    layouts = [buf.layout for buf in bufs]
+    reasons: dict[str, int] = {}
+    for buf in bufs:
+        if buf.grad_storage_reason is not None:
+            reasons[buf.grad_storage_reason] = reasons.get(buf.grad_storage_reason, 0) + 1
     return {
         "padding_ratio": sum(lay.padding for lay in layouts)
         / sum(lay.total_numel for lay in layouts),
         "buffers": len(layouts),
         "gapped_stacks": sum(t.members > 1 for lay in layouts for t in lay.tensors),
+        "grads_in_params_buffers": sum(bool(buf.grads_in_params_ran) for buf in bufs),
+        "grad_storage_reasons": reasons,
     }
 
 

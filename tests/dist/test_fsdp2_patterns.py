@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor, init_device_mesh
 from torch.utils.checkpoint import checkpoint
 
 import raggedfsdp
-from raggedfsdp.fsdp import buffers_of
+from raggedfsdp.fsdp import buffers_of, reads_no_parameters
 from tests.harness import run_cases, spawn
 
 pytestmark = pytest.mark.numerics
@@ -257,13 +257,17 @@ def _mode_reported(rank, world):
     assert {b.grads_in_params_ran for b in buffers_of(model)} == {False}
     reasons = {b.grad_storage_reason for b in buffers_of(model)}
     assert reasons == {"backward with create_graph=True (the gradients are differentiable)"}
-    model.l2.register_full_backward_hook(lambda *a: None)
+    handle = model.l2.register_full_backward_hook(lambda *a: None)
     model.zero_grad()
     model(x).square().mean().backward()
     ran = [buffers_of(m)[0].grads_in_params_ran for m in (model.l1, model.l2, model.l3)]
     assert ran == [True, False, True], ran
     reason = buffers_of(model.l2)[0].grad_storage_reason
     assert reason == "a backward hook on module FSDPLinear", reason
+    handle.remove()  # a hook declared not to read parameters keeps gradients in place
+    model.l2.register_full_backward_hook(reads_no_parameters(lambda *a: None))
+    model(x).square().mean().backward()
+    assert [b.grads_in_params_ran for b in buffers_of(model)] == [True] * 3
     dist.barrier()
 
 

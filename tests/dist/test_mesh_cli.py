@@ -61,3 +61,5 @@ def test_tp_then_ep_train_equals_fsdp_and_resumes_across_meshes(tmp_path):
     assert 0 <= s_ep["padding_ratio"] < 0.05, s_ep["padding_ratio"]  # gaps forced: padding
     for s in (s_flat, s_tp, s_ep):
         assert s["copied_bytes_fsdp"] == 0  # fp32: nothing copied around collectives
+        # no hook reads a parameter in backward: every buffer wrote gradients in place
+        assert (s["grads_in_params_buffers"], s["grad_storage_reasons"]) == (s["buffers"], {})
