@@ -28,30 +28,58 @@ from tests.harness import run_cases, spawn
 pytestmark = pytest.mark.numerics
 
 
+class _LoRALinear(nn.Linear):
+    """A frozen linear layer plus a trained low-rank update (LoRA), one module."""
+
+    def __init__(self, n: int, rank: int = 2):
+        super().__init__(n, n)
+        for p in (self.weight, self.bias):
+            p.requires_grad_(False)
+        self.lora_a = nn.Parameter(torch.randn(rank, n) * 0.1)
+        self.lora_b = nn.Parameter(torch.randn(n, rank) * 0.1)
+
+    def forward(self, x):
+        return super().forward(x) + x @ self.lora_a.t() @ self.lora_b.t()
+
+
 class _MLP(nn.Module):
-    def __init__(self, checkpointed: bool = False, twice: bool = False):
+    def __init__(
+        self,
+        checkpointed: bool = False,
+        twice: bool = False,
+        adapters: bool = False,
+        tied: bool = False,
+    ):
         super().__init__()
         torch.manual_seed(0)
         self.l1 = nn.Linear(8, 16)
-        self.l2 = nn.Linear(16, 16)
-        self.l3 = nn.Linear(16, 4)
+        self.l2 = _LoRALinear(16) if adapters else nn.Linear(16, 16)
+        self.l3 = nn.Linear(16, 8)
         self.checkpointed = checkpointed
         self.twice = twice
+        if tied:  # the last layer's weight is the first's, transposed in use
+            self.l3.weight = self.l1.weight
+
+    def _l2(self, h):
+        return torch.tanh(self.l2(h))
 
     def forward(self, x):
         h = torch.tanh(self.l1(x))
         if self.checkpointed:
-            h = checkpoint(lambda t: torch.tanh(self.l2(t)), h, use_reentrant=False)
+            h = checkpoint(self._l2, h, use_reentrant=False)
         else:
-            h = torch.tanh(self.l2(h))
+            h = self._l2(h)
         if self.twice:  # the same module, its parameters used twice in one forward
-            h = torch.tanh(self.l2(h))
+            h = self._l2(h)
+        if self.l3.weight is self.l1.weight:
+            return h @ self.l1.weight
         return self.l3(h)
 
 
 def _shard(fully_shard, model, mesh, **kw):
-    for m in (model.l1, model.l2, model.l3):
-        fully_shard(m, mesh=mesh, **kw)
+    if model.l3.weight is not model.l1.weight:  # tied: one group holds both uses
+        for m in (model.l1, model.l2, model.l3):
+            fully_shard(m, mesh=mesh, **kw)
     fully_shard(model, mesh=mesh, **kw)
     return model
 
@@ -155,7 +183,8 @@ def _backward_hook_reads_weight(model, rank):
 def _optimizer_in_backward(model, rank):
     """torchtune's / torchtitan's pattern: one optimizer per parameter, stepped by its
     post-accumulate-grad hook (after FSDP's reduce-scatter), so no step follows backward."""
-    optims = {p: torch.optim.SGD([p], lr=0.1, momentum=0.9) for p in model.parameters()}
+    trained = [p for p in model.parameters() if p.requires_grad]
+    optims = {p: torch.optim.SGD([p], lr=0.1, momentum=0.9) for p in trained}
     calls = []
 
     def step(p):
@@ -163,11 +192,11 @@ def _optimizer_in_backward(model, rank):
         optims[p].step()
         optims[p].zero_grad()
 
-    for p in model.parameters():
+    for p in trained:
         p.register_post_accumulate_grad_hook(step)
     for x in _data(rank, steps=3):
         model(x).square().mean().backward()
-    n = len(list(model.parameters()))
+    n = len(trained)
     assert len(calls) == 3 * n, f"post-accumulate-grad hooks ran {len(calls)} times of {3 * n}"
     return {"params": _params(model)}
 
@@ -211,6 +240,9 @@ PATTERNS = {
     "autograd.grad then backward": (_autograd_grad, {}),
     "checkpointed layer": (_retain_graph_twice, {"checkpointed": True}),
     "frozen first layer": (_frozen_first_layer, {}),
+    "frozen base, trained adapters": (_retain_graph_twice, {"adapters": True}),
+    "tied weights in one group": (_retain_graph_twice, {"tied": True}),
+    "optimizer in backward, adapters": (_optimizer_in_backward, {"adapters": True}),
     "module called twice": (_retain_graph_twice, {"twice": True}),
     "accumulate without sync": (_accumulate_no_sync, {}),
 }
