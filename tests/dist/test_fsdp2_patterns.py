@@ -305,3 +305,36 @@ def _mode_reported(rank, world):
 
 def test_buffers_report_the_gradient_storage_that_ran():
     spawn(2, _mode_reported)
+
+
+# ---- inference mode before training ----------------------------------------------------------
+def _validate_then_train(model, rank, mode):
+    xs = _data(rank)
+    with mode():
+        out = model(xs[0]).clone()
+    for x in xs:
+        model(x).square().mean().backward()
+    return out, _grads(model)
+
+
+def _inference_mode_first(rank, world):
+    """Lightning's sanity check validates under ``torch.inference_mode`` before training.
+    FSDP2 then fails at the next all-gather (its unsharded parameters became inference
+    tensors); raggedfsdp trains, and equals FSDP2 validating under ``no_grad``."""
+    mesh = init_device_mesh("cpu", (world,))
+    with pytest.raises(RuntimeError, match="Inplace update to inference tensor"):
+        _validate_then_train(
+            _shard(torch_fsdp.fully_shard, _MLP(), mesh), rank, torch.inference_mode
+        )
+    want_out, want = _validate_then_train(
+        _shard(torch_fsdp.fully_shard, _MLP(), mesh), rank, torch.no_grad
+    )
+    for in_params in (True, False):
+        model = _shard(raggedfsdp.fully_shard, _MLP(), mesh, grads_in_params=in_params)
+        out, got = _validate_then_train(model, rank, torch.inference_mode)
+        assert torch.equal(out, want_out)
+        _equal(got, want, f"grads_in_params={in_params}")
+
+
+def test_inference_mode_before_training():
+    spawn(2, _inference_mode_first)
