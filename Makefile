@@ -23,7 +23,8 @@ lint: $(VENV_STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 
-# tests/clients (torchtitan, transformers) take minutes each: `make test-clients` runs them.
+# tests/clients (torchtitan, transformers, accelerate, torchao) take minutes each:
+# `make test-clients` runs them.
 test: lint
 	$(PY) -m pytest -q tests --ignore=tests/clients
 

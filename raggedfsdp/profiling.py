@@ -41,6 +41,9 @@ propagation) hold no data and are not counted.
   caller's thread, after the collective op returned). The first copy that writes the
   very output tensor of a reduce-scatter seen earlier gets ``within`` set to that
   collective, so it is kept apart from the caller's copies (NCCL makes no such copy).
+  Over one rank raggedfsdp issues no collective: the collective's result is its input,
+  copied into its output (``raggedfsdp._collectives``); that copy gets ``within`` set to
+  the collective it stands for, as gloo's own copies do.
 """
 
 from __future__ import annotations
@@ -55,7 +58,10 @@ from torch._C import DispatchKey, DispatchKeySet
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass_type
 from torch.utils._pytree import tree_leaves
 
+from raggedfsdp._collectives import one_rank_collective
+
 __all__ = [
+    "one_rank_collective",
     "COPY_OPS",
     "WRAPPER_OPS",
     "CommCounter",
@@ -238,7 +244,7 @@ class CopyCounter(TorchDispatchMode):
         return reads, writes
 
     def _record(self, op: str, reads, writes) -> None:
-        within = self._within[-1] if self._within else None
+        within = self._within[-1] if self._within else one_rank_collective()
         if within is None:
             within = self._filled_collective(writes)
         self.events.append(

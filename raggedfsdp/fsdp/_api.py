@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Iterable
 
 import torch
@@ -17,9 +18,10 @@ from torch.distributed.tensor import Shard
 from raggedfsdp.fsdp._buffers import buffer_of
 from raggedfsdp.fsdp._fp8 import Float8BlockAllGather, check_master_dtype
 from raggedfsdp.fsdp._group_set import GroupSet
-from raggedfsdp.fsdp._param_group import ParamGroup, ParamRef, group_specs
+from raggedfsdp.fsdp._param_group import ParamGroup, ParamRef, ShardedState, group_specs
 from raggedfsdp.fsdp._policy import BlockPolicy, BlockRows, MixedPrecisionPolicy
 from raggedfsdp.fsdp._state import FSDPState, resolve_reshard_after_forward, state_of
+from raggedfsdp.fsdp._subclass import subclass_params
 from raggedfsdp.planner import (
     DEFAULT_ALIGNMENT_BYTES,
     DEFAULT_MAX_BUFFERS,
@@ -115,11 +117,16 @@ def fully_shard(
     Returns:
         ``module`` (or the list), now ``FSDPModule``s.
 
-    Raises:
-        ValueError: ``fully_shard`` twice on one module, a mesh that is not 1-D or 2-D, a
-            block that does not divide a parameter's rows, a bad policy, a
-            parameter shared with another group.
-        NotImplementedError: an option raggedfsdp does not support (named).
+    Raises (the exception types FSDP2 raises for the same input, before the module
+    changes; see [Note: FSDP2's exception types]):
+        ValueError: a container without ``forward`` (``ModuleList``), a mesh that is not
+            1-D or 2-D, a 0-d parameter, a bad ``reshard_after_forward`` or
+            ``shard_placement_fn`` result, a bad ``dp_mesh_dims``, a block that does not
+            divide a parameter's rows, a bad policy, a parameter shared with another group.
+        AssertionError (also a ValueError): ``fully_shard`` twice on one module, a 2-D
+            mesh without dim names.
+        NotImplementedError: a non-contiguous (channels-last) parameter, an option
+            raggedfsdp does not support (named).
     """
     if isinstance(max_buffers, bool) or not isinstance(max_buffers, int) or max_buffers < 1:
         raise ValueError(
@@ -146,13 +153,19 @@ def fully_shard(
             f"{type(module).__name__}"
         )
     for m in modules:
-        if state_of(m) is not None:
+        if isinstance(m, (nn.ModuleList, nn.ModuleDict)) and type(m).forward is nn.Module.forward:
             raise ValueError(
+                f"fully_shard: a {type(m).__name__} has no forward, so nothing would unshard "
+                "its parameters; fully_shard each module in it, or a list of them as one group "
+                "(fully_shard(list(container))), or the module that calls them"
+            )
+        if state_of(m) is not None:
+            raise InputError(
                 f"fully_shard: {type(m).__name__} was already passed to fully_shard; "
                 "call it once per module (bottom-up: blocks first, then the root)"
             )
     mp_policy = _mixed_precision(mp_policy)
-    _check_unsupported(modules, offload_policy, dp_mesh_dims)
+    _check_unsupported(modules, offload_policy)
     if mesh is None:
         if not dist.is_initialized():
             raise ValueError(
@@ -164,17 +177,25 @@ def fully_shard(
             "cpu",
         )
         mesh = init_device_mesh(device, (dist.get_world_size(),))
+    if dp_mesh_dims is not None:
+        _check_dp_mesh_dims(mesh, dp_mesh_dims)
     if mesh.ndim not in (1, 2):
         raise ValueError(
             f"fully_shard: mesh must be 1-D (FSDP) or 2-D (replicate, shard: HSDP), got a "
             f"{mesh.ndim}-D mesh of shape {tuple(mesh.shape)}; pass the data-parallel dims, "
             "e.g. mesh['dp_replicate', 'dp_shard']"
         )
+    if mesh.ndim == 2 and mesh.mesh_dim_names is None:
+        raise InputError(
+            f"fully_shard: a 2-D mesh (HSDP) of shape {tuple(mesh.shape)} needs mesh_dim_names "
+            "(replicate first, then shard): init_device_mesh(..., mesh_dim_names=('replicate', "
+            "'shard'))"
+        )
     resolve_reshard_after_forward(reshard_after_forward, mesh.size(-1))  # raises on bad input
     refs, originals = _collect_params(modules, set(ignored_params or ()))
     if shard_placement_fn is not None:
         for ref, p in zip(refs, originals):
-            _check_placement(ref.fqn, shard_placement_fn(p))
+            _check_placement(ref.fqn, p, shard_placement_fn(p))
     name = type(modules[0]).__name__ + (f" and {len(modules) - 1} more" if len(modules) > 1 else "")
     group = None
     if refs:
@@ -198,7 +219,37 @@ def fully_shard(
     FSDPState(modules, group, mesh, mp_policy, reshard_after_forward)
     for m in modules:
         m.__class__ = _fsdp_class(m.__class__)
+        if group is not None:  # see [Note: assigned parameters] in _param_group.py
+            where = {"prefix": ""}  # the module's prefix in the state dict being loaded
+            one = len(modules) == 1  # a list's parameters are named by position, not prefix
+            m.register_load_state_dict_pre_hook(functools.partial(_before_load, group, where))
+            m.register_load_state_dict_post_hook(
+                functools.partial(_after_load, group, where if one else {"prefix": ""})
+            )
     return module
+
+
+class InputError(ValueError, AssertionError):
+    """A bad call that FSDP2 refuses with ``AssertionError``.
+
+    [Note: FSDP2's exception types]
+    ``fully_shard`` raises, for each input FSDP2 refuses at call time, the exception type
+    FSDP2 raises (code written for FSDP2 catches it), with a message that names what is
+    wrong and the fix. Where FSDP2 uses ``AssertionError`` for a user's mistake (``fully_shard``
+    twice on one module, a 2-D mesh without dim names), this class is both that and the
+    ``ValueError`` a bad input is everywhere else in raggedfsdp.
+    """
+
+
+def _before_load(group, where: dict, module, state_dict, prefix: str, *args) -> None:
+    """``load_state_dict`` works on the sharded parameters (as FSDP2's pre-load hook)."""
+    where["prefix"] = prefix
+    if group.state is not ShardedState.SHARDED:
+        group.reshard()
+
+
+def _after_load(group, where: dict, module, incompatible_keys) -> None:
+    group.adopt_assigned(where["prefix"])  # see [Note: assigned parameters]
 
 
 def _mixed_precision(policy) -> MixedPrecisionPolicy:
@@ -217,21 +268,59 @@ def _mixed_precision(policy) -> MixedPrecisionPolicy:
     )
 
 
-def _check_unsupported(modules, offload_policy, dp_mesh_dims) -> None:
+def _check_unsupported(modules, offload_policy) -> None:
     if not isinstance(offload_policy, OffloadPolicy):
         raise ValueError(
             "fully_shard: offload_policy must be a torch.distributed.fsdp.OffloadPolicy or "
             f"CPUOffloadPolicy, got {type(offload_policy).__name__}"
         )
-    if dp_mesh_dims is not None:
-        raise NotImplementedError(
-            "fully_shard: dp_mesh_dims is not supported: raggedfsdp shards over a 1-D mesh; "
-            "pass mesh=the data-parallel mesh dim instead"
+
+
+def _check_dp_mesh_dims(mesh: DeviceMesh, dims) -> None:
+    """FSDP2's checks of torch's ``DataParallelMeshDims`` (ValueError), then
+    NotImplementedError."""
+    names: list[str] = []
+    if hasattr(dims, "shard") or hasattr(dims, "replicate"):
+        shard, replicate = getattr(dims, "shard", None), getattr(dims, "replicate", None)
+        if shard is None and replicate is None:
+            raise ValueError(
+                "fully_shard: dp_mesh_dims must name a shard or a replicate mesh dim, got neither"
+            )
+        names = [n for d in (shard, replicate) if d is not None for n in _as_names(d)]
+        if mesh.mesh_dim_names is None:
+            raise ValueError(
+                f"fully_shard: dp_mesh_dims names mesh dims {names}, but the mesh has no "
+                "mesh_dim_names: init_device_mesh(..., mesh_dim_names=...)"
+            )
+        unknown = [n for n in names if n not in mesh.mesh_dim_names]
+        if unknown:
+            raise ValueError(
+                f"fully_shard: dp_mesh_dims names {unknown}, not dims of the mesh "
+                f"{mesh.mesh_dim_names}"
+            )
+    raise NotImplementedError(
+        "fully_shard: dp_mesh_dims is not supported: raggedfsdp shards over a 1-D or 2-D data-"
+        f"parallel mesh; pass mesh=those mesh dims instead (mesh[{tuple(names)!r}])"
+    )
+
+
+def _as_names(dim) -> tuple[str, ...]:
+    return (dim,) if isinstance(dim, str) else tuple(dim)
+
+
+def _check_placement(fqn: str, param: nn.Parameter, placement) -> None:
+    if placement is not None and not isinstance(placement, Shard):
+        if type(placement).__name__ == "ShardPlacementResult":  # a mesh per parameter
+            raise NotImplementedError(
+                f"fully_shard: shard_placement_fn gives parameter {fqn!r} a mesh of its own "
+                f"({placement!r}); not supported: fully_shard such parameters in a call of "
+                "their own, with mesh=their mesh"
+            )
+        raise ValueError(
+            f"fully_shard: shard_placement_fn gives parameter {fqn!r} {placement!r}; expected "
+            "None or Shard(dim) (RaggedShard cuts dim 0: return None or Shard(0))"
         )
-
-
-def _check_placement(fqn: str, placement) -> None:
-    if placement is None or (isinstance(placement, Shard) and placement.dim == 0):
+    if placement is None or placement.dim in (0, -param.dim()):  # Shard(-ndim) is Shard(0)
         return
     raise NotImplementedError(
         f"fully_shard: shard_placement_fn gives parameter {fqn!r} {placement!r}; RaggedShard "
@@ -255,6 +344,7 @@ def _collect_params(
         for name, p in mod._parameters.items():
             if p is None or p in ignored:
                 continue
+            _check_param(prefix + name, p)
             moved = getattr(p, _MOVED_ATTR, None)
             if moved is not None:  # the original of a parameter another group replaced
                 raise ValueError(
@@ -293,6 +383,21 @@ def _collect_params(
             "fully_shard; tied parameters must be in one group: fully_shard their common parent"
         )
     return list(refs.values()), list(originals.values())
+
+
+def _check_param(fqn: str, p: nn.Parameter) -> None:
+    """FSDP2's checks of a parameter, with its exception types."""
+    if p.dim() == 0:
+        raise ValueError(
+            f"fully_shard: parameter {fqn!r} is 0-d (a scalar); a shard cuts a dim: make it "
+            "shape (1,), or pass it in ignored_params"
+        )
+    if not p.is_contiguous():
+        raise NotImplementedError(
+            f"fully_shard: parameter {fqn!r} of shape {tuple(p.shape)} is not contiguous "
+            f"(strides {p.stride()}, e.g. channels_last); FSDP2 does not shard such parameters "
+            "either: make it contiguous first (module.to(memory_format=torch.contiguous_format))"
+        )
 
 
 def _sharded_by(p) -> tuple[str, str] | None:
@@ -335,8 +440,13 @@ def _new_group(
             else s
             for i, s in enumerate(specs)
         ]
-    layouts: list[tuple[BufferLayout, Float8BlockAllGather | None]] = []
-    for part, how in ((selected, fp8), (set(range(len(specs))) - selected, None)):
+    # Tensor subclasses with FSDP2's hooks plan apart too: [Note: tensor-subclass all-gather]
+    hooked = subclass_params(
+        refs, originals, specs, fp8_selected=selected, offload=kw.get("offload", False)
+    )
+    plain = set(range(len(specs))) - selected - hooked
+    layouts: list[tuple[BufferLayout, Float8BlockAllGather | None, bool]] = []
+    for part, how, by_hooks in ((selected, fp8, False), (hooked, None, True), (plain, None, False)):
         if part:
             plan = plan_buffers(
                 [s for i, s in enumerate(specs) if i in part],
@@ -349,14 +459,17 @@ def _new_group(
                 if how is None
                 else how.alignment_bytes(alignment_bytes, dtype),
             )
-            layouts += [(layout, how) for layout in plan.layouts]
+            layouts += [(layout, how, by_hooks) for layout in plan.layouts]
     if len(layouts) == 1:
-        return ParamGroup(refs, originals, mesh, mp_policy, layouts[0][0], fp8=layouts[0][1], **kw)
+        layout, how, by_hooks = layouts[0]
+        return ParamGroup(
+            refs, originals, mesh, mp_policy, layout, fp8=how, subclass=by_hooks, **kw
+        )
     index = {ref.fqn: i for i, ref in enumerate(refs)}
     groups = []
-    for k, (layout, how) in enumerate(layouts):
+    for k, (layout, how, by_hooks) in enumerate(layouts):
         mine = sorted(index[t.name] for t in layout.tensors)  # module order
-        sub = {**kw, "name": f"{kw['name']}[buffer {k}]", "fp8": how}
+        sub = {**kw, "name": f"{kw['name']}[buffer {k}]", "fp8": how, "subclass": by_hooks}
         parts = ([refs[i] for i in mine], [originals[i] for i in mine])
         groups.append(ParamGroup(*parts, mesh, mp_policy, layout, **sub))
     return GroupSet(groups, kw["name"])
@@ -481,15 +594,30 @@ class FSDPModule(TorchFSDPModule):
         for s in self._fsdp_states(True):
             s.set_force_sum_reduction(bool(enable))
 
-    def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *, stream=None) -> None:
-        """Call ``hook(reduce_output)`` on each reduce-scatter output (1-D, S elements)
-        before the sharded gradients are set, as FSDP2 without HSDP."""
+    def set_all_reduce_hook(
+        self, hook: Callable[[torch.Tensor], None], *, stream: torch.Stream | None = None
+    ) -> None:
+        """Call ``hook(reduce_output)`` on each reduced gradient buffer (1-D, S elements:
+        the reduce-scatter output, or under HSDP the all-reduce output) before the sharded
+        gradients are set, as FSDP2.
+
+        Args:
+            hook: called with the reduced buffer; it may change it in place.
+            stream: FSDP2's stream to run the hook on (not with HSDP: ValueError, as
+                FSDP2). On an accelerator the hook runs on it: the stream first waits for
+                the reduction, and the current stream waits for the hook before the
+                gradients are used. On the CPU there are no streams: ignored (FSDP2 too
+                runs the hook in place there). Default None: the current stream.
+        """
+        states = self._fsdp_states(False)
         if stream is not None:
-            raise NotImplementedError(
-                "set_all_reduce_hook: stream= is not supported: the hook runs on the stream "
-                "that finishes the reduce-scatter (the current one)"
-            )
-        for s in self._fsdp_states(False):
+            if any(s.group is not None and s.group.replicate_group is not None for s in states):
+                raise ValueError(
+                    "set_all_reduce_hook: stream cannot be set with HSDP (a 2-D mesh): the "
+                    "hook runs after the all-reduce, on its stream (as FSDP2)"
+                )
+            hook = _on_stream(hook, stream)
+        for s in states:
             s.set_all_reduce_hook(hook)
 
     def set_reduce_scatter_unused_params(
@@ -563,12 +691,14 @@ class FSDPModule(TorchFSDPModule):
 
     # ---- refused: what raggedfsdp's buffers cannot honour ---------------------------------
     def set_is_last_backward(self, is_last_backward: bool) -> None:
-        if not is_last_backward:
-            raise NotImplementedError(
-                "set_is_last_backward(False): raggedfsdp finishes every reduce-scatter at the "
-                "end of each backward (the sharded .grads are views of the shard gradient "
-                "storage, set then); leave it True"
-            )
+        """FSDP2: False lets the end of a backward skip waiting for its reduce-scatters
+        (pipeline schedules and chunked accumulation call it between microbatches).
+        Accepted with the same numbers: raggedfsdp still finishes every reduce-scatter
+        that a backward started at its end (the sharded ``.grad``s are set then), which
+        only forgoes overlapping the last of them with the next microbatch's forward.
+        With ``set_requires_gradient_sync(False)``, as those schedules pair it, a
+        backward starts none."""
+        _checked_state(self).is_last_backward = bool(is_last_backward)
 
     def set_custom_all_gather(self, comm) -> None:
         raise NotImplementedError(
@@ -619,13 +749,30 @@ class FSDPModule(TorchFSDPModule):
         return out
 
 
+def _on_stream(hook: Callable[[torch.Tensor], None], stream) -> Callable[[torch.Tensor], None]:
+    """``hook`` run on ``stream`` (``set_all_reduce_hook``); itself where there are no
+    streams (the CPU, and ``torch.cpu.Stream``'s stand-in)."""
+    device = getattr(stream, "device", None)
+    if device is None or torch.device(device).type == "cpu":
+        return hook
+
+    def run(output: torch.Tensor) -> None:
+        current = torch.accelerator.current_stream(output.device)
+        stream.wait_stream(current)  # the reduced buffer is ready there
+        with stream:
+            hook(output)
+        current.wait_stream(stream)  # the gradients are set and used after the hook
+
+    return run
+
+
 # How raggedfsdp answers each public method of torch 2.13's FSDPModule (tests check that
 # this covers them all, and README's feature table is this).
 FSDP2_SURFACE: dict[str, str] = {
     "reset_iter_state": "supported",
     "reshard": "supported",
     "unshard": "supported",
-    "set_all_reduce_hook": "supported (stream= refused)",
+    "set_all_reduce_hook": "supported (stream= too; ignored on the CPU)",
     "set_force_sum_reduction_for_comms": "supported",
     "set_gradient_divide_factor": "supported",
     "set_reduce_scatter_divide_factor": "supported (deprecated alias, as in FSDP2)",
@@ -640,7 +787,7 @@ FSDP2_SURFACE: dict[str, str] = {
     "set_reshard_after_forward": "supported",
     "set_separate_reduce_scatter_group": "supported",
     "set_unshard_in_backward": "supported",
-    "set_is_last_backward": "refused for False: every backward finishes its reductions",
+    "set_is_last_backward": "supported (False: a backward still finishes what it started)",
     "set_custom_all_gather": "refused: the all-gather writes the buffer layout in place",
     "set_custom_reduce_scatter": "refused: the reduce-scatter writes the shard grads in place",
     "set_allocate_memory_from_process_group_for_comm": "refused: the buffers are the storages",

@@ -157,6 +157,13 @@ class BufferView:
         each rank's scales lie in the all-gather: [Note: FP8 all-gather]), else None."""
         return self._group.fp8
 
+    @property
+    def subclass_all_gather(self) -> bool:
+        """Whether the buffer's parameters are tensor subclasses gathered through FSDP2's
+        ``fsdp_pre_all_gather`` / ``fsdp_post_all_gather`` ([Note: tensor-subclass
+        all-gather]); ``unsharded`` then stays empty: the hooks make the unsharded values."""
+        return self._group.subclass is not None
+
     # ---- storages -------------------------------------------------------------------------
     @property
     def shard(self) -> torch.Tensor:

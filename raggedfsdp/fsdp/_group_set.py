@@ -95,6 +95,10 @@ class GroupSet:
         for g in self.groups:
             g.reset_after_apply()
 
+    def adopt_assigned(self, prefix: str = "") -> None:
+        for g in self.groups:
+            g.adopt_assigned(prefix)
+
     # ---- gradients -------------------------------------------------------------------------
     def release_dropped_grads(self) -> None:
         for g in self.groups:

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 
-from raggedfsdp._collectives import all_gather_single
+from raggedfsdp._collectives import all_gather_single, completed_work
 from raggedfsdp.dbuffer import DBuffer
 from raggedfsdp.fsdp._buffers import OWNER_ATTR, BufferView
 from raggedfsdp.fsdp._device import new_group_like, streams_for
@@ -21,6 +21,7 @@ from raggedfsdp.fsdp._fp8 import Float8BlockAllGather, Fp8Layout
 from raggedfsdp.fsdp._hooks import may_read_parameters, reads_no_parameters
 from raggedfsdp.fsdp._policy import MixedPrecisionPolicy, resolve_block_rows
 from raggedfsdp.fsdp._state import PostForwardGroup
+from raggedfsdp.fsdp._subclass import SubclassGather, values_of
 from raggedfsdp.fsdp._tp import TPSpec, tp_spec_of
 from raggedfsdp.placement import RaggedShard
 from raggedfsdp.planner import BufferLayout, TensorSpec
@@ -162,6 +163,9 @@ class ParamGroup:
             gradients in place]); False: a global gradient storage of its own.
         fp8: gather this buffer (every tensor in it selected) as FP8 codes and tile
             scales: see [Note: FP8 all-gather] in ``_fp8.py``. Default None.
+        subclass: gather this buffer's parameters (every one a tensor subclass with
+            FSDP2's hooks) through the protocol: see [Note: tensor-subclass all-gather]
+            in ``_subclass.py``. Default False.
 
     [Note: CPU offload]
     The shard and shard gradient storages (the sharded parameters, their ``.grad``s,
@@ -184,6 +188,7 @@ class ParamGroup:
         pin_memory: bool = True,
         grads_in_params: bool = True,
         fp8: Float8BlockAllGather | None = None,
+        subclass: bool = False,
     ):
         self.refs: list[ParamRef] = refs
         self.view = BufferView(self)  # the public handle (raggedfsdp.fsdp.buffers_of)
@@ -207,12 +212,10 @@ class ParamGroup:
         self.device = originals[0].device  # the compute device: the global storages'
         self.offload = offload
         shard_device = None
-        if offload:
-            kind = mesh.device_type
-            index = torch.accelerator.current_device_index() if kind != "cpu" else None
-            self.device = torch.device(kind, index) if index is not None else torch.device(kind)
+        if offload and self.device.type != "meta":  # on meta until to_empty / a load
+            self.device = _mesh_device(mesh)
             shard_device = torch.device("cpu")
-        self.pin_memory = offload and pin_memory and self.device.type != "cpu"
+        self.pin_memory = offload and pin_memory and mesh.device_type != "cpu"
         self.streams = streams_for(self.device)
         self.mp_policy = mp_policy
         self.compute_dtype = mp_policy.param_dtype or self.dtype
@@ -221,11 +224,12 @@ class ParamGroup:
             raise AssertionError(f"fully_shard group {self.name}: its layout holds other tensors")
         self.layout = layout
         self.fp8 = None if fp8 is None else Fp8Layout(layout, fp8)
+        self.subclass = SubclassGather(self, originals) if subclass else None
         self.dbuf = self._new_dbuf(shard_device)
         for ref, p in zip(refs, originals):
             ref.placement = RaggedShard.from_layout(self.layout, ref.fqn)
             if self.device.type != "meta":
-                full = p.detach().contiguous()
+                full = values_of(p).contiguous()  # a subclass's inner tensor
                 self.dbuf.shard_view(ref.fqn).copy_(ref.placement.local_view(full, self.rank))
             self._make_sharded(ref)
             ref.register(ref.sharded)
@@ -246,6 +250,7 @@ class ParamGroup:
         self.force_sum_reduction = False  # SUM, then divide (set_force_sum_reduction_for_comms)
         self.all_reduce_hook = None  # called on the reduce-scatter output (set_all_reduce_hook)
         self.reduce_process_group = self.process_group  # or its own (separate RS group)
+        self.unloaded: dict[str, str] = {}  # fqn -> key, on meta after a partial load
 
     def placements(self, ref: ParamRef) -> list:
         """The sharded parameter's placements: its TP placement (FSDP x TP), ``[Replicate()]``
@@ -278,6 +283,8 @@ class ParamGroup:
 
     def _make_sharded(self, ref: ParamRef) -> None:
         local = self.dbuf.shard_view(ref.fqn)
+        if self.subclass is not None:  # see [Note: tensor-subclass all-gather]
+            local = self.subclass.wrap(ref, local)
         stride = torch.empty(ref.shape, device="meta").stride()
         dt = DTensor.from_local(
             local, self.param_mesh(ref), self.placements(ref), shape=ref.shape, stride=stride
@@ -299,10 +306,16 @@ class ParamGroup:
         first = next(iter(current.values()))
         local0 = first._local_tensor if isinstance(first, DTensor) else first
         shard_device = torch.device("cpu") if self.offload else local0.device
-        if (shard_device, local0.dtype) == (self.dbuf.shard.device, self.dtype):
+        storage = self.dbuf.shard.untyped_storage().data_ptr()
+        views = all(  # to_empty on the same device gives new tensors too
+            values_of(p._local_tensor if isinstance(p, DTensor) else p).untyped_storage().data_ptr()
+            == storage
+            for p in current.values()
+        )
+        if views and (shard_device, local0.dtype) == (self.dbuf.shard.device, self.dtype):
             return
-        if not self.offload:
-            self.device = local0.device
+        self.unloaded = {}  # every parameter now holds what _apply gave it
+        self.device = _mesh_device(self.mesh) if self.offload else local0.device
         self.dtype = local0.dtype
         self.streams = streams_for(self.device)
         self.compute_dtype = self.mp_policy.param_dtype or self.dtype
@@ -311,13 +324,124 @@ class ParamGroup:
         for ref in self.refs:
             new = current[ref.fqn]
             self.dbuf.shard_view(ref.fqn).copy_(
-                new._local_tensor if isinstance(new, DTensor) else new
+                values_of(new._local_tensor if isinstance(new, DTensor) else new)
             )
             if ref.sharded is not new:
                 ref.sharded = None  # _apply made a new Parameter: adopt a fresh one
             self._make_sharded(ref)
             ref.unsharded, ref.sharded_grad = None, None
             ref.register(ref.sharded)
+
+    def adopt_assigned(self, prefix: str = "") -> None:
+        """Adopt what ``load_state_dict(..., assign=True)`` put in the modules' place.
+
+        [Note: assigned parameters]
+        An assigning load (Hugging Face accelerate's ``cpu_ram_efficient_loading``, torch's
+        ``set_model_state_dict`` on a meta model) replaces each module's sharded parameter
+        with the state dict's tensor, outside the buffer. Each one is taken here (the
+        module's load_state_dict post-hook): a DTensor on the parameter's own mesh with its
+        own placements gives its local tensor; a plain tensor of the full shape gives this
+        rank's rows. The values are copied into the shard storage (rebuilt on their device,
+        as ``reset_after_apply`` does, when the group was on meta or on another device), and
+        every parameter is again a view of it: the assigned DTensor parameter keeps its
+        identity, its local tensor now the view. A parameter a partial load (``strict=False``)
+        left on meta is listed in ``unloaded`` until a later load assigns it; a forward
+        before then raises, naming it.
+
+        Args:
+            prefix: the group's module's prefix in the state dict (how messages name the
+                parameters). Default: none.
+
+        Raises:
+            ValueError: an assigned tensor of another dtype, mesh or placement, or of a kind
+                that is neither (the parameter named, with the fix).
+        """
+        current = {ref.fqn: ref.uses[0][0]._parameters[ref.uses[0][1]] for ref in self.refs}
+        assigned = [ref for ref in self.refs if current[ref.fqn] is not ref.sharded]
+        if not assigned:
+            if self.dbuf.shard.is_meta:  # a load that left the group on meta: name them
+                self.unloaded = {r.fqn: prefix + r.fqn for r in self.refs}
+            return
+        self._expect("load_state_dict(assign=True)", ShardedState.SHARDED)
+        try:
+            pieces = {r.fqn: self._assigned_piece(r, current[r.fqn], prefix) for r in assigned}
+            devices = {t.device for t in pieces.values() if t.device.type != "meta"}
+            if len(devices) > 1:
+                raise ValueError(
+                    f"load_state_dict(assign=True): the parameters of {self.name} were "
+                    f"assigned tensors on several devices {sorted(map(str, devices))}; a "
+                    "group's parameters live on one device: move them to one device"
+                )
+        except ValueError:
+            for ref in assigned:  # the modules hold the sharded parameters as before
+                ref.register(ref.sharded)
+            raise
+        old = self.dbuf
+        shard_device = old.shard.device
+        if devices:
+            device = devices.pop()
+            shard_device = torch.device("cpu") if self.offload else device
+            self.device = _mesh_device(self.mesh) if self.offload else device
+        rebuild = shard_device != old.shard.device
+        if rebuild:  # a new shard storage on the new device; see [Note: assigned parameters]
+            self.streams = streams_for(self.device)
+            self.dbuf = self._new_dbuf(shard_device)
+        unloaded = dict(self.unloaded)
+        for ref in self.refs:
+            piece = pieces.get(ref.fqn)
+            if piece is not None and not piece.is_meta:
+                self.dbuf.shard_view(ref.fqn).copy_(piece)
+                unloaded.pop(ref.fqn, None)
+            elif piece is not None or (rebuild and old.shard.is_meta):
+                unloaded[ref.fqn] = prefix + ref.fqn  # assigned a meta tensor, or not loaded
+            elif rebuild:  # kept: its values move to the new storage
+                self.dbuf.shard_view(ref.fqn).copy_(old.shard_view(ref.fqn))
+            if piece is None and not rebuild:
+                continue
+            new = current[ref.fqn]
+            adopt = isinstance(new, nn.Parameter) and isinstance(new, DTensor)
+            ref.sharded = new if adopt else (ref.sharded if piece is None else None)
+            self._make_sharded(ref)
+            self._forget_unsharded(ref)
+            ref.register(ref.sharded)
+        self.unloaded = {r.fqn: unloaded[r.fqn] for r in self.refs if r.fqn in unloaded}
+
+    def _assigned_piece(self, ref: ParamRef, new: torch.Tensor, prefix: str) -> torch.Tensor:
+        """This rank's part of the tensor an assigning load put in ``ref``'s place, shaped
+        as its shard view (see [Note: assigned parameters])."""
+        name, mesh, placements = prefix + ref.fqn, self.param_mesh(ref), tuple(self.placements(ref))
+        fix = (
+            "assign a DTensor made with the sharded parameter's own mesh and placements "
+            "(distribute_tensor(full, param.device_mesh, param.placements), param from the "
+            "model's state_dict()), or a full tensor, or load without assign=True"
+        )
+        if new.dtype != self.dtype:
+            raise ValueError(
+                f"load_state_dict(assign=True): parameter {name!r} was assigned a tensor of "
+                f"dtype {new.dtype}; fully_shard holds it in {self.dtype}: cast the state "
+                "dict's tensor to it, or load without assign=True (which casts)"
+            )
+        if isinstance(new, DTensor):
+            if new.device_mesh == mesh and tuple(new.placements) == placements:
+                return new._local_tensor
+            raise ValueError(
+                f"load_state_dict(assign=True): parameter {name!r} was assigned a DTensor "
+                f"with placements {tuple(new.placements)} on {new.device_mesh}; expected "
+                f"{placements} on {mesh} (its RaggedShard): {fix}"
+            )
+        if type(new) in (torch.Tensor, nn.Parameter) and new.shape == ref.shape:
+            if ref.tp is not None:
+                raise ValueError(
+                    f"load_state_dict(assign=True): parameter {name!r} is tensor-parallel "
+                    f"and was assigned a plain tensor; expected a DTensor with placements "
+                    f"{placements} on {mesh}: {fix}"
+                )
+            return ref.placement.local_view(new.detach().contiguous(), self.rank)
+        raise ValueError(
+            f"load_state_dict(assign=True): parameter {name!r} was assigned a "
+            f"{type(new).__name__} of shape {tuple(new.shape)}; expected a DTensor with "
+            f"placements {placements} on {mesh} or a tensor of shape {tuple(ref.shape)}: {fix}"
+        )
 
     # ---- unshard / reshard ----------------------------------------------------------------
     def unshard(self, async_op: bool = False) -> None:
@@ -326,10 +450,13 @@ class ParamGroup:
             return
         if self._grads_hold_params:  # a reduce-scatter still reads the storage
             self.wait_reduce()
-        if self.device.type == "meta":
+        if self.device.type == "meta" or self.unloaded:
+            names = list(self.unloaded.values()) or [r.fqn for r in self.refs]
             raise RuntimeError(
-                f"fully_shard: parameters {[r.fqn for r in self.refs][:3]}... are still on the "
-                "meta device; call module.to_empty(device=...) and initialise them before forward"
+                f"fully_shard: parameters {names[:3]}{'...' if len(names) > 3 else ''} of "
+                f"{self.name} are still on the meta device; call module.to_empty(device=...) "
+                "and initialise them, or load them (load_state_dict(..., assign=True), "
+                "set_model_state_dict), before forward"
             )
         # [Note: version counter] autograd saved the unsharded parameters in forward;
         # refilling their storage for backward is the point, so the all-gather must not
@@ -342,12 +469,17 @@ class ParamGroup:
                 out, inp = self.dbuf.global_params.alloc(), self._post_forward_piece
                 pg = self.post_forward_group.process_group
                 work = all_gather_single(out, inp, group=pg, async_op=True)
+            elif self.subclass is not None:  # see [Note: tensor-subclass all-gather]
+                work, inp, received = self.subclass.start(self.process_group)
             elif self.fp8 is not None:  # see [Note: FP8 all-gather]
                 inp = self.fp8.quantize(self.dbuf.shard, self.rank)
-                received = torch.empty(
-                    self.world * inp.numel(), dtype=torch.uint8, device=self.device
-                )
-                work = all_gather_single(received, inp, group=self.process_group, async_op=True)
+                if self.world == 1:  # the codes are what a gather would receive
+                    received, work = inp, completed_work()
+                else:
+                    received = torch.empty(
+                        self.world * inp.numel(), dtype=torch.uint8, device=self.device
+                    )
+                    work = all_gather_single(received, inp, group=self.process_group, async_op=True)
             else:
                 work, inp = self.dbuf.all_gather(self.process_group, async_op=True)
         self._gather = PendingGather(work, version, inp, received)
@@ -361,7 +493,9 @@ class ParamGroup:
             return
         gather, self._gather = self._gather, None
         gather.work.wait()
-        if gather.received is not None:  # FP8: decode into the compute-dtype storage
+        if self.subclass is not None:  # the copy-out into the outputs
+            self.subclass.finish(gather.received)
+        elif gather.received is not None:  # FP8: decode into the compute-dtype storage
             self.fp8.dequantize(gather.received, self.dbuf.global_params.alloc())
         torch._C._autograd._unsafe_set_version_counter(
             (self.dbuf.global_params.tensor,), (gather.version,)
@@ -371,8 +505,9 @@ class ParamGroup:
             if ref.requires_grad != ref.sharded.requires_grad:  # frozen / unfrozen since
                 self._forget_unsharded(ref)
                 ref.requires_grad = ref.sharded.requires_grad
+            value = None if self.subclass is None else self.subclass.post_all_gather(ref)
             if ref.unsharded is None:
-                view = self.dbuf.global_view(ref.fqn)
+                view = self.dbuf.global_view(ref.fqn) if value is None else value
                 if ref.tp is not None:  # the module's TP DTensor over the view
                     view = ref.tp.unsharded(view, ref.requires_grad)
                 ref.unsharded = nn.Parameter(view, requires_grad=ref.requires_grad)
@@ -409,13 +544,16 @@ class ParamGroup:
             self._post_forward_piece = None  # a piece kept after forward is not needed now
             self.state = ShardedState.SHARDED
             return
-        keep = self.post_forward_group if post_forward else None
+        # A subclass buffer reshards fully (FSDP2 refuses reshard_after_forward=int for it).
+        keep = self.post_forward_group if post_forward and self.subclass is None else None
         if keep is not None:
             full = self.dbuf.global_params.tensor  # 1D, m*S
             piece = full.numel() // keep.size
             self._post_forward_piece = full[keep.position * piece :][:piece].clone()
         if free:
             self.dbuf.global_params.free()
+            if self.subclass is not None:
+                self.subclass.free()
         self.streams.resharded()
         for ref in self.refs:
             ref.register(ref.sharded)
@@ -457,6 +595,8 @@ class ParamGroup:
         gradients in place]), or None when they can."""
         if not self.grads_in_params:
             return "fully_shard(..., grads_in_params=False)"
+        if self.subclass is not None:  # see [Note: tensor-subclass all-gather]
+            return "tensor-subclass all-gather (the parameters are not views of the buffer)"
         if not unsharded:
             return "set_unshard_in_backward(False)"
         if not reshard:
@@ -791,7 +931,8 @@ class ParamGroup:
             if self._partial_reduce is not None:
                 output.add_(self._partial_reduce)
                 self._partial_reduce = None
-            dist.all_reduce(output, op=self._reduce_op(), group=self.replicate_group)
+            if self.replicate_size > 1:
+                dist.all_reduce(output, op=self._reduce_op(), group=self.replicate_group)
         if self.gradient_divide_factor is not None:
             output.div_(self.gradient_divide_factor)
         elif self.force_sum_reduction:
@@ -827,6 +968,14 @@ class ParamGroup:
             if direct or existing is None:
                 ref.sharded.grad = ref.sharded_grad
             _run_post_accumulate_grad_hooks(ref.sharded)
+
+
+def _mesh_device(mesh) -> torch.device:
+    """The compute device of ``mesh`` (this process's accelerator, or the CPU)."""
+    kind = mesh.device_type
+    if kind == "cpu":
+        return torch.device(kind)
+    return torch.device(kind, torch.accelerator.current_device_index())
 
 
 def _run_post_accumulate_grad_hooks(param: nn.Parameter) -> None:

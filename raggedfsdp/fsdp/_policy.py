@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from typing import Literal, Union
 
 import torch
@@ -16,9 +16,11 @@ from raggedfsdp.planner import WHOLE
 BlockRows = Union[int, Literal["whole"]]  # noqa: UP007 (a runtime alias)
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True)
 class MixedPrecisionPolicy:
-    """As ``torch.distributed.fsdp.MixedPrecisionPolicy``.
+    """As ``torch.distributed.fsdp.MixedPrecisionPolicy``, whose four fields it takes in
+    the same order, positionally too (``MixedPrecisionPolicy(torch.bfloat16)``, as torch's
+    dataclass); ``all_gather``, raggedfsdp's own, is keyword-only.
 
     Args:
         param_dtype: dtype of the unsharded parameters used in forward and backward
@@ -38,6 +40,7 @@ class MixedPrecisionPolicy:
     reduce_dtype: torch.dtype | None = None
     output_dtype: torch.dtype | None = None
     cast_forward_inputs: bool = True
+    _: KW_ONLY
     all_gather: Float8BlockAllGather | None = None
 
     def __post_init__(self) -> None:

@@ -114,6 +114,7 @@ class FSDPState:
         self._forward_pending: set[int] = set()  # ids of this group's modules yet to run
         self.unshard_in_backward = True
         self.max_reduces_in_flight = 1
+        self.is_last_backward = True  # set_is_last_backward: recorded (see FSDPModule's)
         self.post_optim_event = None  # set_post_optim_event: the next gathers wait on it
         # root only
         self._states: list[FSDPState] = []
@@ -401,14 +402,17 @@ def _any_rank_got_grad(pending: list[ParamGroup]) -> list[bool]:
     they get no gradient either way.
     """
     local = [ref.got_grad or not ref.requires_grad for g in pending for ref in g.refs]
+    groups = [pending[0].process_group, pending[0].replicate_group]
+    if all(pg is None or dist.get_world_size(pg) == 1 for pg in groups):
+        return local  # one rank: its own flags are the answer, no collective
     device, missing = pending[0].device, not all(local)
     if missing:  # built from the host's list: a copy to the device, on this rare path only
         flags = torch.tensor(local, dtype=torch.uint8, device=device)
     else:
         flags = torch.ones(len(local), dtype=torch.uint8, device=device)
-    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=pending[0].process_group)
-    if pending[0].replicate_group is not None:  # HSDP: a gradient on any replica
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=pending[0].replicate_group)
+    for pg in groups:  # the shard dim, then (HSDP) the replicas: a gradient on any rank
+        if pg is not None and dist.get_world_size(pg) > 1:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=pg)
     return flags.bool().tolist() if missing else local
 
 

@@ -41,7 +41,14 @@ from raggedfsdp import Float8BlockAllGather, MixedPrecisionPolicy, fully_shard
 from raggedfsdp.fsdp import buffers_of
 from raggedfsdp.models import get_config
 from raggedfsdp.models.transformer import Transformer, lm_loss
-from raggedfsdp.profiling import COPY_OPS, CommCounter, CopyCounter, buffer_storages, storage_key
+from raggedfsdp.profiling import (
+    COPY_OPS,
+    CommCounter,
+    CopyCounter,
+    buffer_storages,
+    one_rank_collective,
+    storage_key,
+)
 from tests.dist import test_tp as ttp
 from tests.harness import run_cases, spawn
 from tests.numerics import assert_losses_match, reference, reference_threads
@@ -266,14 +273,15 @@ def _check_errors(rank, world):
 
 
 class _Ops(TorchDispatchMode):
-    """The aten ops run under it that are not views (nor collectives)."""
+    """The aten ops run under it that are not views (nor collectives: over one rank, the
+    copy that stands for one)."""
 
     def __init__(self):
         super().__init__()
         self.ops = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if not func.is_view and func.namespace == "aten":
+        if not func.is_view and func.namespace == "aten" and one_rank_collective() is None:
             self.ops.append(str(func))
         return func(*args, **(kwargs or {}))
 

@@ -49,7 +49,6 @@ def test_every_fully_shard_parameter_is_accepted():
 
 
 REFUSED_CALLS = {
-    "set_is_last_backward": (False,),
     "set_custom_all_gather": (object(),),
     "set_custom_reduce_scatter": (object(),),
     "set_allocate_memory_from_process_group_for_comm": (True,),

@@ -23,6 +23,7 @@ from torch.utils.checkpoint import checkpoint
 
 import raggedfsdp
 from raggedfsdp.fsdp import buffers_of, reads_no_parameters
+from raggedfsdp.profiling import CommCounter
 from tests.harness import run_cases, spawn
 
 pytestmark = pytest.mark.numerics
@@ -231,7 +232,31 @@ def _accumulate_no_sync(model, rank):
     return {"grads": _grads(model)}
 
 
+def _pipeline_microbatches(model, rank):
+    """What torch.distributed.pipelining does around each microbatch's backward: all
+    but the last without gradient sync, without reshard, and not the last backward."""
+    xs = _data(rank, steps=3)
+    for i, x in enumerate(xs):
+        last = i == len(xs) - 1
+        model.set_is_last_backward(last)
+        model.set_reshard_after_backward(last)
+        model.set_requires_gradient_sync(last)
+        model(x).square().mean().backward()
+    return {"grads": _grads(model)}
+
+
+def _not_last_backward_with_sync(model, rank):
+    """``set_is_last_backward(False)`` with gradient sync on: each backward reduces."""
+    xs = _data(rank, steps=3)
+    for i, x in enumerate(xs):
+        model.set_is_last_backward(i == len(xs) - 1)
+        model(x).square().mean().backward()
+    return {"grads": _grads(model)}
+
+
 PATTERNS = {
+    "pipeline microbatches (set_is_last_backward)": (_pipeline_microbatches, {}),
+    "set_is_last_backward(False) with sync": (_not_last_backward_with_sync, {}),
     "create_graph": (_create_graph, {}),
     "tensor hook reads the weight": (_tensor_hook_reads_weight, {}),
     "full backward hook reads the weight": (_backward_hook_reads_weight, {}),
@@ -338,3 +363,29 @@ def _inference_mode_first(rank, world):
 
 def test_inference_mode_before_training():
     spawn(2, _inference_mode_first)
+
+
+# ---- one rank --------------------------------------------------------------------------------
+def _one_rank(rank, world):
+    """At world size 1 a collective's result is its input: FSDP2 issues none, nor may
+    raggedfsdp (no all-gather, reduce-scatter or gradient-flag all-reduce), with the same
+    gradients and parameters."""
+    mesh = init_device_mesh("cpu", (1,))
+    results = []
+    for fully_shard in (torch_fsdp.fully_shard, raggedfsdp.fully_shard):
+        model = _shard(fully_shard, _MLP(), mesh)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with CommCounter() as comms:
+            for x in _data(0):
+                model(x).square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+        results.append((comms.summary(), _params(model)))
+    (want_comms, want), (got_comms, got) = results
+    assert want_comms == {}, want_comms
+    assert got_comms == want_comms, got_comms
+    _equal(got, want, "one rank")
+
+
+def test_one_rank_issues_no_collective():
+    spawn(1, _one_rank)

@@ -1,0 +1,406 @@
+"""FSDP2's tensor-subclass all-gather protocol on RaggedShard buffers.
+
+[Note: tensor-subclass all-gather]
+A parameter whose tensor defines ``fsdp_pre_all_gather`` / ``fsdp_post_all_gather``
+(torchao's float8 weights, NF4, TransformerEngine) is gathered as the subclass asks,
+not as its own bytes, as in FSDP2 (torch 2.13's ``_fsdp_param.py``):
+
+- It keeps its class. ``fully_shard`` plans such parameters into buffers of their own
+  (never beside plain ones, which stay zero-copy views); the sharded parameter is a
+  ``RaggedShard`` DTensor whose local tensor is the subclass rebuilt by
+  ``__tensor_unflatten__`` around this rank's rows of the shard storage, so an
+  optimizer that updates it (or the buffer) updates the other.
+- ``unshard`` calls ``fsdp_pre_all_gather(shard_mesh, outer_size, outer_stride, module,
+  mp_policy)`` (or FSDP2's older ``fsdp_pre_all_gather(mesh)``) on each local shard:
+  rows ``r0:r1`` of the parameter, possibly none, a different count on each rank. Every
+  all-gather input must have those rows as dim 0 (its other dims the same on every
+  rank); where every rank holds as many rows, any shape is taken, as FSDP2 does. All the
+  buffer's inputs are copied into one byte buffer per rank, padded to the largest rank's
+  (each rank knows every rank's rows from the layout), and gathered in one collective.
+- ``wait_for_unshard`` copies each input's pieces, rank after rank, into one output of
+  the parameter's full rows (the same tensor every step, its storage freed at reshard
+  as FSDP2 frees its all-gather outputs) and calls ``fsdp_post_all_gather(outputs,
+  metadata, param_dtype)``; the module holds an ``nn.Parameter`` of what it returns
+  (``as_strided`` to the parameter's shape, as FSDP2). Later gathers call it with
+  ``out=`` that parameter, after reallocating the inner tensors it said to free.
+- Gradients are plain tensors, as FSDP2's: the group's gradient storage takes them as
+  it takes every other ([Note: gradient storage]; never written over the parameters,
+  which are not views of the buffer), so the reduce-scatter, the sharded ``.grad`` and
+  optimizers are unchanged.
+
+What it costs against a plain parameter of the same buffer kind: the subclass's own
+``fsdp_pre_all_gather`` work (a cast or a quantization: one new tensor per input), one
+copy-in of each input into the send buffer, and one copy-out of the gathered bytes into
+each output, as FSDP2 makes them; a plain parameter has neither copy (the shard is the
+send buffer, the unsharded parameter a view of the receive buffer). Its gradients cost
+what a plain parameter's cost under ``grads_in_params=False``: a zeroed view of the
+gradient storage that autograd adds into (no copy unless a ``.grad`` is replaced). A
+module holding both kinds has two buffers, so one more all-gather and reduce-scatter
+per gather than FSDP2's one per group. What it saves is the subclass's point: torchao's
+float8 inputs are a quarter of fp32's bytes on the wire. ``Float8BlockAllGather`` stays
+the copy-free way to gather FP8 (no amax all-reduce).
+
+Not supported, refused by ``fully_shard`` naming the parameter: a subclass without
+``__tensor_flatten__`` or with more than one inner tensor (its values cannot be a view
+of the buffer), a parameter of 3 or more dims (RaggedShard cuts its flattened leading
+dims, not dim 0), FP8 block all-gather of it, CPU offload, tensor parallelism, and a
+subclass without the hooks (FSDP2 would keep it through its dispatch; here it would
+silently become a plain tensor). ``reshard_after_forward=int`` reshards such buffers
+fully (FSDP2 refuses it for them).
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPolicy
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+from raggedfsdp._collectives import all_gather_single
+
+if TYPE_CHECKING:
+    from raggedfsdp.fsdp._param_group import ParamGroup, ParamRef
+
+__all__ = ["SubclassGather", "subclass_params", "values_of"]
+
+_PRE, _POST = "fsdp_pre_all_gather", "fsdp_post_all_gather"
+_ALIGN = 16  # bytes: every piece of the send buffer starts aligned for any dtype's view
+
+
+def _is_plain(t: torch.Tensor) -> bool:
+    """A tensor whose values are all there is to it (a mode's tensor counts as plain)."""
+    if type(t) in (torch.Tensor, nn.Parameter):
+        return True
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch._subclasses.functional_tensor import FunctionalTensor
+
+    return isinstance(t, (FakeTensor, FunctionalTensor))
+
+
+def values_of(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s values as a plain tensor (detached): its one inner tensor for a subclass
+    that ``subclass_params`` accepted."""
+    if _is_plain(t):
+        return t.detach()
+    names, _ = t.__tensor_flatten__()  # torchao's adds a precomputed scale after the first
+    return getattr(t, names[0]).detach()
+
+
+def subclass_params(refs, originals, specs, *, fp8_selected, offload) -> set[int]:
+    """Indices of the parameters gathered through the protocol (see [Note: tensor-subclass
+    all-gather]). Runs before ``fully_shard`` changes anything.
+
+    Raises:
+        NotImplementedError: a tensor subclass this protocol cannot keep (named).
+        ValueError: hooks FSDP2 would reject too (one of the two, a wrong signature).
+    """
+    chosen = set()
+    for i, (ref, p, spec) in enumerate(zip(refs, originals, specs)):
+        local = p.to_local() if ref.tp is not None else p
+        if _is_plain(local):
+            continue
+        what = f"fully_shard: parameter {ref.fqn!r} is a {type(local).__name__}"
+        pre, post = hasattr(local, _PRE), hasattr(local, _POST)
+        if not (pre or post):
+            raise NotImplementedError(
+                f"{what}, a tensor subclass without FSDP2's all-gather hooks ({_PRE} / "
+                f"{_POST}); raggedfsdp shards parameters' values into a flat buffer and would "
+                "drop the subclass: give it the two hooks, convert it to a plain tensor, or "
+                "pass it in ignored_params"
+            )
+        if pre != post:
+            raise ValueError(
+                f"{what} with only {_PRE if pre else _POST}; FSDP2's all-gather protocol "
+                "needs both hooks: define both"
+            )
+        _pre_all_gather_args(local, what)
+        _check_supported(ref, local, spec, what, i in fp8_selected, offload)
+        chosen.add(i)
+    return chosen
+
+
+def _pre_all_gather_args(t: torch.Tensor, what: str) -> int:
+    """How many arguments ``t.fsdp_pre_all_gather`` takes: 5, or FSDP2's older 1 (mesh)."""
+    n = len(inspect.signature(getattr(t, _PRE)).parameters)
+    if n not in (1, 5):
+        raise ValueError(
+            f"{what} whose {_PRE} takes {n} arguments; FSDP2's protocol is {_PRE}(self, mesh, "
+            "outer_size, outer_stride, module, mp_policy) (or the older (self, mesh))"
+        )
+    return n
+
+
+def _check_supported(ref, local, spec, what: str, fp8: bool, offload: bool) -> None:
+    if ref.tp is not None:
+        raise NotImplementedError(
+            f"{what} inside a tensor-parallel DTensor; the all-gather protocol under FSDP x TP "
+            "is not supported yet: fully_shard such modules without tensor parallelism"
+        )
+    if offload:
+        raise NotImplementedError(
+            f"{what} (FSDP2's all-gather protocol) with CPU offload, not supported yet: "
+            "drop offload_policy for this module, or pass the parameter in ignored_params"
+        )
+    if fp8:
+        raise NotImplementedError(
+            f"{what} (FSDP2's all-gather protocol), and MixedPrecisionPolicy.all_gather "
+            "(Float8BlockAllGather) selects it too; one parameter has one gather: leave "
+            "all_gather unset for this module, or use a plain weight with Float8BlockAllGather"
+        )
+    if not is_traceable_wrapper_subclass(local):
+        raise NotImplementedError(
+            f"{what} without __tensor_flatten__ / __tensor_unflatten__; its sharded parameter "
+            "is rebuilt around a view of the flat buffer through them: implement both "
+            "(the traceable wrapper-subclass protocol)"
+        )
+    names, _ = local.__tensor_flatten__()
+    inner = getattr(local, names[0]) if len(names) == 1 else None
+    if inner is None or not _is_plain(inner):
+        raise NotImplementedError(
+            f"{what} with {len(names)} inner tensors {list(names)}; raggedfsdp keeps a "
+            "subclass whose one plain inner tensor holds the values (a view of the flat buffer)"
+        )
+    if inner.shape != local.shape or inner.dtype != local.dtype:
+        raise NotImplementedError(
+            f"{what} whose inner tensor {names[0]!r} is {inner.dtype} {tuple(inner.shape)}, "
+            f"not its own {local.dtype} {tuple(local.shape)}; raggedfsdp keeps a subclass "
+            "whose inner tensor holds its values as they are"
+        )
+    if local.dim() > 2 or spec.stack:
+        raise NotImplementedError(
+            f"{what} of {local.dim()}-D shape {tuple(local.shape)}; RaggedShard cuts its "
+            "flattened leading dims, and the all-gather protocol takes dim-0 rows: reshape "
+            "it to 2-D, or pass it in ignored_params"
+        )
+
+
+@dataclass(eq=False)
+class _Piece:
+    """Where one all-gather input lies: the same on every rank (from the layout)."""
+
+    dtype: torch.dtype
+    shapes: list[tuple[int, ...]]  # each rank's input shape
+    out_shape: tuple[int, ...]  # the output: the ranks' inputs concatenated on dim 0
+    sizes: list[int]  # bytes each rank sends
+    offsets: list[int] = field(default_factory=list)  # where they start in its send buffer
+
+
+@dataclass(eq=False)
+class _Entry:
+    """One parameter's protocol state."""
+
+    ref: ParamRef
+    inner_name: str
+    ctx: Any  # __tensor_flatten__'s context
+    cls: type
+    module: nn.Module  # the module holding it (FSDP2 passes the same)
+    args: int  # fsdp_pre_all_gather's argument count (5, or 1)
+    rows: tuple[int, ...] = ()  # rows each rank holds (from the layout, at the first gather)
+    metadata: Any = None  # fsdp_pre_all_gather's, until fsdp_post_all_gather takes it
+    pieces: list[_Piece] = field(default_factory=list)  # one per all-gather input
+    outputs: list[torch.Tensor] = field(default_factory=list)  # one per input, kept
+    inner: tuple = ()  # (tensor, bytes): what fsdp_post_all_gather said to free at reshard
+
+
+class SubclassGather:
+    """The all-gather of one buffer of protocol parameters (see [Note: tensor-subclass
+    all-gather]).
+
+    Args:
+        group: the buffer's ``ParamGroup`` (refs with placements, mesh, device, dtypes).
+        originals: the parameters as ``fully_shard`` got them (same order as the refs).
+    """
+
+    def __init__(self, group: ParamGroup, originals):
+        self.group = group
+        mesh = group.mesh
+        self.shard_mesh = mesh if mesh.ndim == 1 else mesh[mesh.mesh_dim_names[-1]]
+        mp = group.mp_policy
+        self.mp_policy = TorchMixedPrecisionPolicy(  # the class FSDP2 hands the hook
+            param_dtype=mp.param_dtype,
+            reduce_dtype=mp.reduce_dtype,
+            output_dtype=mp.output_dtype,
+            cast_forward_inputs=mp.cast_forward_inputs,
+        )
+        self.entries: dict[str, _Entry] = {}
+        for ref, p in zip(group.refs, originals):
+            (name,), ctx = p.__tensor_flatten__()
+            self.entries[ref.fqn] = _Entry(
+                ref=ref,
+                inner_name=name,
+                ctx=ctx,
+                cls=type(p),
+                module=ref.uses[0][0],
+                args=_pre_all_gather_args(p, ""),
+            )
+
+    @property
+    def param_dtype(self) -> torch.dtype:
+        """What ``fsdp_post_all_gather`` is told to produce (FSDP2's rule)."""
+        mp, dtype = self.group.mp_policy, self.group.dtype
+        return mp.param_dtype if mp.param_dtype is not None and dtype.is_floating_point else dtype
+
+    def wrap(self, ref: ParamRef, local: torch.Tensor) -> torch.Tensor:
+        """The subclass around ``local`` (a view of the shard storage: rows x rest)."""
+        e = self.entries[ref.fqn]
+        return e.cls.__tensor_unflatten__(
+            {e.inner_name: local}, e.ctx, local.size(), local.stride()
+        )
+
+    # ---- unshard --------------------------------------------------------------------------
+    def start(self, process_group):
+        """Call every ``fsdp_pre_all_gather``, copy the inputs in and start the all-gather.
+
+        Returns:
+            ``(work, send, received)``: the collective and its two byte buffers (1D uint8:
+            the largest rank's bytes, and ``world`` times that).
+        """
+        g = self.group
+        inputs = []
+        for e in self.entries.values():
+            if not e.rows:
+                ranges = (e.ref.placement.local_row_range(e.ref.shape, r) for r in range(g.world))
+                e.rows = tuple(b - a for a, b in ranges)
+            ins, e.metadata = self._pre_all_gather(e)
+            e.pieces = [self._piece(e, x) for x in ins]
+            inputs.append(ins)
+        # Every rank's send buffer, from the layout alone: piece after piece, each aligned.
+        ends = [0] * g.world
+        for e in self.entries.values():
+            for piece in e.pieces:
+                piece.offsets = ends
+                ends = [_aligned(end + n) for end, n in zip(ends, piece.sizes)]
+        width = max(*ends, _ALIGN)
+        send = torch.empty(width, dtype=torch.uint8, device=g.device)  # 1D, bytes
+        with torch.no_grad():
+            for e, ins in zip(self.entries.values(), inputs):
+                for piece, x in zip(e.pieces, ins):
+                    at = piece.offsets[g.rank]
+                    send[at : at + piece.sizes[g.rank]].copy_(
+                        x.detach().reshape(-1).view(torch.uint8)
+                    )  # the copy-in
+        received = torch.empty(g.world * width, dtype=torch.uint8, device=g.device)
+        work = all_gather_single(received, send, group=process_group, async_op=True)
+        return work, send, received
+
+    def _pre_all_gather(self, e: _Entry):
+        local = e.ref.sharded._local_tensor
+        try:
+            if e.args == 1:
+                return getattr(local, _PRE)(self.shard_mesh)
+            return getattr(local, _PRE)(
+                self.shard_mesh,
+                e.ref.shape,
+                _contiguous_stride(e.ref.shape),
+                e.module,
+                self.mp_policy,
+            )
+        except Exception as err:
+            if e.rows[self.group.rank]:
+                raise
+            raise RuntimeError(
+                f"fully_shard: {_PRE} of parameter {e.ref.fqn!r} ({e.cls.__name__}) failed on "
+                f"rank {self.group.rank}, which holds none of its rows (RaggedShard packs whole "
+                f"rows: {list(e.rows)} per rank); a subclass whose hook cannot take an empty "
+                "shard needs rows on every rank: fully_shard its module apart, or (torchao "
+                "float8) call precompute_float8_dynamic_scale_for_fsdp after each step"
+            ) from err
+
+    def _piece(self, e: _Entry, x) -> _Piece:
+        g = self.group
+        where = f"fully_shard: {_PRE} of parameter {e.ref.fqn!r} ({e.cls.__name__}) returned"
+        if not isinstance(x, torch.Tensor) or not _is_plain(x):
+            raise TypeError(
+                f"{where} an all-gather input of type {type(x).__name__}: expected plain tensors"
+            )
+        if x.device != g.device:
+            raise RuntimeError(
+                f"{where} an all-gather input on {x.device}, not on the buffer's device {g.device}"
+            )
+        size = x.element_size()
+        if x.dim() >= 1 and x.shape[0] == e.rows[g.rank]:  # dim 0: this rank's rows
+            rest = tuple(x.shape[1:])
+            shapes = [(n, *rest) for n in e.rows]
+        elif len(set(e.rows)) == 1:  # even rows: every rank's input has this shape
+            shapes = [tuple(x.shape) if x.dim() else (1,)] * g.world
+        else:
+            raise RuntimeError(
+                f"{where} an all-gather input of shape {tuple(x.shape)} on rank {g.rank}, "
+                f"which holds {e.rows[g.rank]} of its rows; RaggedShard's shards are uneven "
+                f"({list(e.rows)} rows per rank): each input must have the shard's rows as dim 0"
+            )
+        out_shape = (sum(s[0] for s in shapes), *shapes[0][1:])
+        return _Piece(x.dtype, shapes, out_shape, [math.prod(s) * size for s in shapes])
+
+    def finish(self, received: torch.Tensor) -> None:
+        """Copy each input's pieces, rank after rank, into its output: the copy-out."""
+        g = self.group
+        width = received.numel() // g.world
+        for e in self.entries.values():
+            got = [(p.out_shape, p.dtype) for p in e.pieces]
+            if e.ref.unsharded is None:  # the first gather, or after to() / a load: new ones
+                e.outputs = [torch.empty(s, dtype=d, device=g.device) for s, d in got]
+                e.inner = ()
+            elif got != [(tuple(t.shape), t.dtype) for t in e.outputs]:  # out= refills them
+                raise RuntimeError(
+                    f"fully_shard: {_PRE} of parameter {e.ref.fqn!r} ({e.cls.__name__}) "
+                    f"changed its all-gather inputs between gathers ({got}); they must keep "
+                    "their shapes and dtypes"
+                )
+            for t in e.outputs:
+                _alloc(t, t.numel() * t.element_size())
+            for t, nbytes in e.inner:
+                _alloc(t, nbytes)
+            # [Note: version counter] in _param_group.py: refilling is not a modification.
+            with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(tuple(e.outputs)):
+                for out, p in zip(e.outputs, e.pieces):
+                    parts = [
+                        received[r * width + p.offsets[r] :][: p.sizes[r]]
+                        .view(p.dtype)
+                        .view(p.shapes[r])
+                        for r in range(g.world)
+                    ]
+                    torch.cat(parts, dim=0, out=out)
+
+    def post_all_gather(self, ref: ParamRef) -> torch.Tensor | None:
+        """``fsdp_post_all_gather`` of ``ref``: its new unsharded value (``as_strided`` to
+        its shape) when the module holds none yet, else None (``out=`` refilled it)."""
+        e = self.entries[ref.fqn]
+        local = ref.sharded._local_tensor
+        outputs, metadata, e.metadata = tuple(e.outputs), e.metadata, None
+        if ref.unsharded is not None:
+            getattr(local, _POST)(outputs, metadata, self.param_dtype, out=ref.unsharded)
+            return None
+        value, inner = getattr(local, _POST)(outputs, metadata, self.param_dtype)
+        e.inner = tuple((t, t.untyped_storage().nbytes()) for t in inner)
+        return torch.as_strided(value, ref.shape, _contiguous_stride(ref.shape), 0)
+
+    # ---- reshard --------------------------------------------------------------------------
+    def free(self) -> None:
+        """Free the outputs and the inner tensors ``fsdp_post_all_gather`` named."""
+        for e in self.entries.values():
+            for t in (*e.outputs, *(t for t, _ in e.inner)):
+                _free(t)
+
+
+def _contiguous_stride(shape) -> tuple[int, ...]:
+    return torch.empty(shape, device="meta").stride()
+
+
+def _aligned(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+def _alloc(t: torch.Tensor, nbytes: int) -> None:
+    if t.device.type != "meta" and t.untyped_storage().nbytes() < nbytes:
+        t.untyped_storage().resize_(nbytes)
+
+
+def _free(t: torch.Tensor) -> None:
+    if t.device.type != "meta" and t.untyped_storage().nbytes() > 0:
+        t.untyped_storage().resize_(0)

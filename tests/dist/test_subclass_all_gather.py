@@ -1,0 +1,434 @@
+"""FSDP2's tensor-subclass all-gather protocol (``fsdp_pre_all_gather`` /
+``fsdp_post_all_gather``) against torch's FSDP2 on 2 gloo ranks.
+
+A test-only pair of wrapper subclasses plays the part of torchao's float8 weights: the
+sharded weight (``_Bf16Weight``) gathers its shard rounded to bf16, and the gathered
+weight (``_Gathered``) is the bf16 all-gather output read as ``0.75 * data`` in
+``param_dtype``; the ``out=`` path only counts (its data is the output the next
+all-gather refills, as torchao's). Both hooks change what the model sees, so a framework
+that gathered the plain values instead would compute different losses.
+
+On 2 ranks the comparison is bitwise: both frameworks hand the hooks the same values
+(each rank's rows of the same weights), the all-gather is a copy, so every rank runs its
+forward and backward on identical unsharded weights with the same kernels; the
+reduction of two addends is the same sum in either order and the average's halving is
+exact; SGD then updates the same master values elementwise.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+
+import pytest
+import torch
+import torch.distributed.fsdp as torch_fsdp
+from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor, init_device_mesh
+from torch.utils import _pytree as pytree
+
+import raggedfsdp
+from raggedfsdp.fsdp import Float8BlockAllGather, FSDPModule, MixedPrecisionPolicy, buffers_of
+from tests.harness import run_cases, spawn
+
+pytestmark = pytest.mark.numerics
+
+aten = torch.ops.aten
+SCALE = 0.75
+STEPS = 4
+CALLS: collections.Counter = collections.Counter()  # this process's hook calls
+INNER: list[torch.Tensor] = []  # the gathered data each first post-all-gather returned
+
+# Ops that keep the wrapper (what FSDP2 calls on a sharded weight: chunk, pad, view; and
+# what DTensor and nn.Parameter call: detach, alias, as_strided).
+_PRESERVE = {
+    aten.empty_like.default,
+    aten.new_zeros.default,
+    aten.slice.Tensor,
+    aten.split.Tensor,
+    aten.copy_.default,
+    aten.view.default,
+    aten._unsafe_view.default,
+    aten.as_strided.default,
+    aten._to_copy.default,
+    aten.clone.default,
+    aten.detach.default,
+    aten.alias.default,
+}
+
+
+def _wrapper(cls, data: torch.Tensor, dtype: torch.dtype | None = None):
+    return torch.Tensor._make_wrapper_subclass(
+        cls,
+        data.size(),
+        strides=data.stride(),
+        storage_offset=data.storage_offset(),
+        dtype=dtype or data.dtype,
+        device=data.device,
+        requires_grad=data.requires_grad,
+    )
+
+
+def _dispatch(cls, func, types, args=(), kwargs=None):
+    """Run ``func`` on the inner tensors; rewrap what ``_PRESERVE`` ops return."""
+    args, kwargs = pytree.tree_map_only(cls, lambda t: t._data, (args, kwargs or {}))
+    out = func(*args, **kwargs)
+    if func not in _PRESERVE:
+        return out
+    return pytree.tree_map_only(torch.Tensor, cls, out)
+
+
+class _Bf16Weight(torch.Tensor):
+    """A master weight (fp32 ``_data``) that all-gathers as bf16."""
+
+    @staticmethod
+    def __new__(cls, data):
+        return _wrapper(cls, data)
+
+    def __init__(self, data):
+        self._data = data
+
+    __torch_dispatch__ = classmethod(_dispatch)
+
+    def __tensor_flatten__(self):
+        return ["_data"], None
+
+    @classmethod
+    def __tensor_unflatten__(cls, inner, ctx, outer_size, outer_stride):
+        return cls(inner["_data"])
+
+    def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
+        CALLS["pre"] += 1
+        CALLS[f"pre: mesh of {mesh.ndim} dim, size {mesh.size()}"] += 1
+        CALLS[f"pre: outer size {tuple(outer_size)}"] += 1
+        CALLS[f"pre: module {type(module).__name__.removeprefix('FSDP')}"] += 1
+        CALLS[f"pre: param_dtype {mp_policy.param_dtype}"] += 1
+        return (self._data.to(torch.bfloat16),), None
+
+    def fsdp_post_all_gather(self, outputs, metadata, param_dtype, *, out=None):
+        (data,) = outputs
+        CALLS["post"] += 1
+        CALLS[f"post: {data.dtype} {tuple(data.shape)} as {param_dtype}"] += 1
+        if out is not None:  # ``data`` is the output the last call wrapped, refilled
+            CALLS["post with out="] += 1
+            assert isinstance(out, _Gathered) and out.dtype == param_dtype, out
+            return None
+        INNER.append(data)
+        return _Gathered(data, param_dtype), (data,)
+
+
+class _OldSignature(_Bf16Weight):
+    """FSDP2 still calls the one-argument ``fsdp_pre_all_gather(mesh)`` (torchao's)."""
+
+    def fsdp_pre_all_gather(self, mesh):
+        CALLS["pre (mesh only)"] += 1
+        return (self._data.to(torch.bfloat16),), None
+
+
+class _Gathered(torch.Tensor):
+    """An unsharded weight: bf16 ``_data`` read as ``SCALE * data`` in ``dtype``."""
+
+    @staticmethod
+    def __new__(cls, data, dtype):
+        return _wrapper(cls, data, dtype)
+
+    def __init__(self, data, dtype):
+        self._data, self._dtype = data, dtype
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        if func in _PRESERVE and func is not aten._to_copy.default:
+            dtype = args[0]._dtype
+            args, kwargs = pytree.tree_map_only(cls, lambda t: t._data, (args, kwargs or {}))
+            return pytree.tree_map_only(
+                torch.Tensor, lambda t: cls(t, dtype), func(*args, **kwargs)
+            )
+        args, kwargs = pytree.tree_map_only(
+            cls, lambda t: t._data.to(t._dtype) * SCALE, (args, kwargs or {})
+        )
+        return func(*args, **kwargs)
+
+    def __tensor_flatten__(self):
+        return ["_data"], self._dtype
+
+    @classmethod
+    def __tensor_unflatten__(cls, inner, dtype, outer_size, outer_stride):
+        return cls(inner["_data"], dtype)
+
+
+class _Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l1 = nn.Linear(8, 16)
+        self.l2 = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return torch.tanh(self.l2(torch.tanh(self.l1(x))))
+
+
+class _Model(nn.Module):
+    def __init__(self, kind=_Bf16Weight):
+        super().__init__()
+        torch.manual_seed(0)
+        self.block = _Block()
+        self.head = nn.Linear(16, 4)
+        for lin in (self.block.l1, self.block.l2):  # weights wrapped, biases plain
+            lin.weight = nn.Parameter(kind(lin.weight.detach().clone()))
+
+    def forward(self, x):
+        return self.head(self.block(x))
+
+
+def _shard(fully_shard, model, mesh, **kw):
+    fully_shard(model.block, mesh=mesh, **kw)
+    fully_shard(model, mesh=mesh, **kw)
+    return model
+
+
+def _data(rank):
+    gen = torch.Generator().manual_seed(3)
+    xs = torch.randn(STEPS, 4, 6, 8, generator=gen)
+    return [x[2 * rank : 2 * rank + 2] for x in xs]
+
+
+def _plain_local(p: DTensor) -> torch.Tensor:
+    local = p._local_tensor
+    return local._data if isinstance(local, _Bf16Weight) else local
+
+
+def _full(p) -> torch.Tensor:
+    """The whole parameter (plain), whatever its local tensor's class."""
+    local = DTensor.from_local(
+        _plain_local(p), p.device_mesh, p.placements, shape=p.shape, stride=p.stride()
+    )
+    return local.full_tensor()
+
+
+def _train(model, rank, micro: int = 1) -> dict:
+    """4 SGD steps of ``micro`` microbatches (synced on the last); losses, final
+    parameters, hook calls, and what the out= path reused."""
+    CALLS.clear()
+    INNER.clear()
+    seen = []  # the unsharded weight of l1 each forward ran with
+    model.block.l1.register_forward_pre_hook(lambda m, args: seen.append(m.weight))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    losses = []
+    for x in _data(rank):
+        for i, piece in enumerate(x.chunk(micro)):
+            model.set_requires_gradient_sync(i == micro - 1)
+            loss = model(piece).square().mean()
+            loss.backward()
+            losses.append(loss.detach())
+        opt.step()
+        opt.zero_grad()
+    wrapped = [model.block.l1.weight, model.block.l2.weight]
+    assert all(isinstance(p._local_tensor, _Bf16Weight) for p in wrapped), [
+        type(p._local_tensor) for p in wrapped
+    ]
+    assert all(isinstance(w, _Gathered) for w in seen), [type(w) for w in seen]
+    return {
+        "losses": torch.stack(losses),
+        "params": {n: _full(p.detach()) for n, p in model.named_parameters()},
+        "calls": dict(CALLS),
+        "one unsharded parameter reused": len({id(w) for w in seen}) == 1,
+        "inner tensors freed after the step": [t.untyped_storage().nbytes() for t in INNER],
+    }
+
+
+def _compare(rank, world, *, mesh_shape=None, kind=_Bf16Weight, micro=1, **kw):
+    if mesh_shape is None:
+        mesh = init_device_mesh("cpu", (world,))
+    else:
+        mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("replicate", "shard"))
+    want = _train(_shard(torch_fsdp.fully_shard, _Model(kind), mesh, **kw), rank, micro)
+    model = _shard(raggedfsdp.fully_shard, _Model(kind), mesh, **kw)
+    # RaggedShard packs both wrapped weights into one buffer: uneven rows, and a rank
+    # holding none of one of them (FSDP2's dim-0 chunks are even here).
+    units = [p.placements[-1].local_units for p in (model.block.l1.weight, model.block.l2.weight)]
+    assert any(len(set(u)) > 1 for u in units) and any(0 in u for u in units), units
+    got = _train(model, rank, micro)
+    (buf,) = [b for b in buffers_of(model) if b.subclass_all_gather]  # the two weights
+    assert buf.grad_storage_reason.startswith("tensor-subclass all-gather"), buf
+    assert torch.equal(got["losses"], want["losses"]), (got["losses"], want["losses"])
+    for name, w in want["params"].items():
+        g = got["params"][name]
+        assert torch.equal(g, w), f"{name} differs from FSDP2's by {(g - w).abs().max():.3g}"
+    assert got["calls"] == want["calls"], (got["calls"], want["calls"])
+    post = "pre (mesh only)" if kind is _OldSignature else "pre"
+    gathers = 2 * STEPS * micro  # each forward and each backward, for the block
+    assert want["calls"][post] == 2 * gathers, want["calls"]  # 2 weights
+    assert want["calls"]["post with out="] == 2 * (gathers - 1), want["calls"]
+    for key in ("one unsharded parameter reused", "inner tensors freed after the step"):
+        assert got[key] == want[key], (key, got[key], want[key])
+    assert want["one unsharded parameter reused"]
+    assert want["inner tensors freed after the step"] == [0, 0]
+
+
+CASES = {
+    "fp32": {},
+    "bf16 params, fp32 reduce": {
+        "mp_policy": torch_fsdp.MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16, reduce_dtype=torch.float32
+        )
+    },
+    "HSDP mesh (1, 2)": {"mesh_shape": (1, 2)},
+    "one-argument fsdp_pre_all_gather": {"kind": _OldSignature},
+    "2 microbatches, the first without gradient sync": {"micro": 2},
+}
+
+
+def _parity(rank, world):
+    run_cases({name: functools.partial(_compare, rank, world, **kw) for name, kw in CASES.items()})
+
+
+def test_subclass_all_gather_equals_fsdp2():
+    spawn(2, _parity)
+
+
+# ---- meta-device init -------------------------------------------------------------------------
+def _meta_init(rank, world):
+    """On meta, sharded, ``to_empty``, loaded: the weights keep their class, and train as a
+    model sharded from real weights."""
+    mesh = init_device_mesh("cpu", (world,))
+    with torch.device("meta"):
+        model = _Model()
+    _shard(raggedfsdp.fully_shard, model, mesh)
+    model.to_empty(device="cpu")
+    reference = _Model()
+    params = dict(model.named_parameters())
+    model.load_state_dict(
+        {
+            n: distribute_tensor(p.detach(), params[n].device_mesh, params[n].placements)
+            for n, p in reference.named_parameters()
+        }
+    )
+    want = _train(_shard(raggedfsdp.fully_shard, reference, mesh), rank)
+    got = _train(model, rank)
+    assert torch.equal(got["losses"], want["losses"]), (got["losses"], want["losses"])
+    assert got["calls"] == want["calls"], (got["calls"], want["calls"])
+
+
+def test_meta_init_keeps_the_subclass():
+    spawn(2, _meta_init)
+
+
+# ---- refusals --------------------------------------------------------------------------------
+class _PlainWrapper(torch.Tensor):
+    """A traceable wrapper subclass without the all-gather hooks."""
+
+    @staticmethod
+    def __new__(cls, data):
+        return _wrapper(cls, data)
+
+    def __init__(self, data):
+        self._data = data
+
+    __torch_dispatch__ = classmethod(_dispatch)
+    __tensor_flatten__ = _Bf16Weight.__tensor_flatten__
+    __tensor_unflatten__ = classmethod(_Bf16Weight.__tensor_unflatten__.__func__)
+
+
+class _NoFlatten(torch.Tensor):
+    """Has the hooks, but not the traceable-wrapper protocol."""
+
+    @staticmethod
+    def __new__(cls, data):
+        return _wrapper(cls, data)
+
+    def __init__(self, data):
+        self._data = data
+
+    __torch_dispatch__ = classmethod(_dispatch)
+    fsdp_pre_all_gather = _Bf16Weight.fsdp_pre_all_gather
+    fsdp_post_all_gather = _Bf16Weight.fsdp_post_all_gather
+
+
+class _TwoInner(_Bf16Weight):
+    def __tensor_flatten__(self):
+        return ["_data", "_data"], None
+
+
+class _PreOnly(_PlainWrapper):
+    fsdp_pre_all_gather = _Bf16Weight.fsdp_pre_all_gather
+
+
+class _ThreeArgs(_Bf16Weight):
+    def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride):
+        raise AssertionError("never called")
+
+
+class _Stack(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.experts = nn.Parameter(_Bf16Weight(torch.randn(2, 8, 8)))
+
+
+def _refused(rank, world, make, match, error=NotImplementedError, **kw):
+    """fully_shard raises ``error`` naming the parameter and its class, before changing
+    anything: the module keeps its class and its parameters."""
+    mesh = init_device_mesh("cpu", (world,))
+    model = make()
+    before = dict(model.named_parameters())
+    with pytest.raises(error, match=match):
+        raggedfsdp.fully_shard(model, mesh=mesh, **kw)
+    assert not isinstance(model, FSDPModule)
+    assert {n: id(p) for n, p in model.named_parameters()} == {n: id(p) for n, p in before.items()}
+
+
+def _refusals(rank, world):
+    fp8 = MixedPrecisionPolicy(
+        param_dtype=torch.bfloat16, all_gather=Float8BlockAllGather(tile=(8, 8))
+    )
+    cases = {
+        "no hooks": (
+            functools.partial(_Model, _PlainWrapper),
+            r"'block\.l1\.weight' is a _PlainWrapper.*without.*fsdp_pre_all_gather",
+            {},
+        ),
+        "no __tensor_flatten__": (
+            functools.partial(_Model, _NoFlatten),
+            r"'block\.l1\.weight' is a _NoFlatten.*__tensor_flatten__",
+            {},
+        ),
+        "two inner tensors": (
+            functools.partial(_Model, _TwoInner),
+            r"'block\.l1\.weight' is a _TwoInner.*2 inner tensors",
+            {},
+        ),
+        "3-D parameter": (_Stack, r"'experts' is a _Bf16Weight.*3-D", {}),
+        "FP8 block all-gather": (
+            functools.partial(_Model),
+            r"'block\.l1\.weight' is a _Bf16Weight.*Float8BlockAllGather",
+            {"mp_policy": fp8},
+        ),
+        "CPU offload": (
+            functools.partial(_Model),
+            r"'block\.l1\.weight' is a _Bf16Weight.*CPU offload",
+            {"offload_policy": torch_fsdp.CPUOffloadPolicy(pin_memory=False)},
+        ),
+    }
+    checks = {
+        name: functools.partial(_refused, rank, world, make, match, **kw)
+        for name, (make, match, kw) in cases.items()
+    }
+    checks["pre hook only"] = functools.partial(
+        _refused,
+        rank,
+        world,
+        functools.partial(_Model, _PreOnly),
+        r"'block\.l1\.weight' is a _PreOnly.*both",
+        ValueError,
+    )
+    checks["a three-argument fsdp_pre_all_gather"] = functools.partial(
+        _refused,
+        rank,
+        world,
+        functools.partial(_Model, _ThreeArgs),
+        r"'block\.l1\.weight' is a _ThreeArgs.*fsdp_pre_all_gather\(self, mesh, outer_size",
+        ValueError,
+    )
+    run_cases(checks)
+
+
+def test_unsupported_subclasses_are_refused():
+    spawn(2, _refusals)
