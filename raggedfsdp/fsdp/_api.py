@@ -276,6 +276,11 @@ def _check_unsupported(modules, offload_policy) -> None:
         )
 
 
+def _leaves_a_rank_empty(layout: BufferLayout, world: int) -> bool:
+    """Whether some rank holds none of a tensor that has a row for every rank."""
+    return any(t.shape[0] >= world and 0 in layout.local_units(t.name) for t in layout.tensors)
+
+
 def _check_dp_mesh_dims(mesh: DeviceMesh, dims) -> None:
     """FSDP2's checks of torch's ``DataParallelMeshDims`` (ValueError), then
     NotImplementedError."""
@@ -445,21 +450,34 @@ def _new_group(
         refs, originals, specs, fp8_selected=selected, offload=kw.get("offload", False)
     )
     plain = set(range(len(specs))) - selected - hooked
+    world = mesh.size(mesh.ndim - 1)
+
+    def plan(part: list, how: Float8BlockAllGather | None) -> list[BufferLayout]:
+        return plan_buffers(
+            part,
+            world,
+            max_buffers=max_buffers,
+            alpha_bytes=alpha,
+            dtype=dtype,
+            member_gaps=gaps if how is None else False,
+            alignment_bytes=alignment_bytes
+            if how is None
+            else how.alignment_bytes(alignment_bytes, dtype),
+        ).layouts
+
     layouts: list[tuple[BufferLayout, Float8BlockAllGather | None, bool]] = []
     for part, how, by_hooks in ((selected, fp8, False), (hooked, None, True), (plain, None, False)):
-        if part:
-            plan = plan_buffers(
-                [s for i, s in enumerate(specs) if i in part],
-                mesh.size(mesh.ndim - 1),
-                max_buffers=max_buffers,
-                alpha_bytes=alpha,
-                dtype=dtype,
-                member_gaps=gaps if how is None else False,
-                alignment_bytes=alignment_bytes
-                if how is None
-                else how.alignment_bytes(alignment_bytes, dtype),
-            )
-            layouts += [(layout, how, by_hooks) for layout in plan.layouts]
+        part_specs = [s for i, s in enumerate(specs) if i in part]
+        if not part_specs:
+            continue
+        planned = plan(part_specs, how)
+        if by_hooks and any(_leaves_a_rank_empty(layout, world) for layout in planned):
+            # A subclass's fsdp_pre_all_gather runs on every rank's rows, and may not take
+            # none (torchao's dynamic float8 scale takes an amax of them): each such
+            # parameter gets a buffer of its own, its rows spread over every rank, as
+            # FSDP2's even chunks are (one more all-gather per parameter).
+            planned = [layout for spec in part_specs for layout in plan([spec], how)]
+        layouts += [(layout, how, by_hooks) for layout in planned]
     if len(layouts) == 1:
         layout, how, by_hooks = layouts[0]
         return ParamGroup(

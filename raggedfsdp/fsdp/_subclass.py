@@ -6,7 +6,10 @@ A parameter whose tensor defines ``fsdp_pre_all_gather`` / ``fsdp_post_all_gathe
 not as its own bytes, as in FSDP2 (torch 2.13's ``_fsdp_param.py``):
 
 - It keeps its class. ``fully_shard`` plans such parameters into buffers of their own
-  (never beside plain ones, which stay zero-copy views); the sharded parameter is a
+  (never beside plain ones, which stay zero-copy views), and where one buffer would
+  leave a rank none of a parameter that has a row for every rank, one buffer each
+  (the hooks run on every rank's rows, and torchao's amax cannot take none; FSDP2's
+  even chunks never leave a rank empty either); the sharded parameter is a
   ``RaggedShard`` DTensor whose local tensor is the subclass rebuilt by
   ``__tensor_unflatten__`` around this rank's rows of the shard storage, so an
   optimizer that updates it (or the buffer) updates the other.
