@@ -433,11 +433,11 @@ def _new_group(
 ):
     """The group of one ``fully_shard`` call: one ``ParamGroup``, or a ``GroupSet`` of one
     per buffer where the planner splits it (see [Note: multi-buffer groups])."""
-    specs, dtype = group_specs(refs, originals, mesh, block_policy)
+    specs, dtypes = group_specs(refs, originals, mesh, block_policy)
     if gaps:
         _check_gaps_beside_tp(refs, specs, gaps)
     fp8 = mp_policy.all_gather
-    selected = _fp8_selected(refs, specs, dtype, fp8, kw) if fp8 is not None else set()
+    selected = _fp8_selected(refs, specs, dtypes, fp8, kw) if fp8 is not None else set()
     if selected:  # see [Note: FP8 all-gather]: selected tensors plan apart from the rest
         specs = [
             dataclasses.replace(s, block_rows=fp8.block_rows_for(s.block_rows))
@@ -453,6 +453,7 @@ def _new_group(
     world = mesh.size(mesh.ndim - 1)
 
     def plan(part: list, how: Float8BlockAllGather | None) -> list[BufferLayout]:
+        dtype = dtypes[index[part[0].name]]
         return plan_buffers(
             part,
             world,
@@ -465,8 +466,18 @@ def _new_group(
             else how.alignment_bytes(alignment_bytes, dtype),
         ).layouts
 
+    index = {ref.fqn: i for i, ref in enumerate(refs)}
+    # [Note: mixed dtypes] A buffer holds one dtype: each kind of buffer below is planned
+    # once per dtype of its parameters, so a group of several dtypes (a frozen bf16 base
+    # beside fp32 adapters) has one buffer, collective and cast path per dtype.
+    kinds = [(selected, fp8, False), (hooked, None, True), (plain, None, False)]
+    by_dtype = [
+        ({i for i in part if dtypes[i] == dt}, how, hooks)
+        for part, how, hooks in kinds
+        for dt in dict.fromkeys(dtypes[i] for i in sorted(part))
+    ]
     layouts: list[tuple[BufferLayout, Float8BlockAllGather | None, bool]] = []
-    for part, how, by_hooks in ((selected, fp8, False), (hooked, None, True), (plain, None, False)):
+    for part, how, by_hooks in by_dtype:
         part_specs = [s for i, s in enumerate(specs) if i in part]
         if not part_specs:
             continue
@@ -483,7 +494,6 @@ def _new_group(
         return ParamGroup(
             refs, originals, mesh, mp_policy, layout, fp8=how, subclass=by_hooks, **kw
         )
-    index = {ref.fqn: i for i, ref in enumerate(refs)}
     groups = []
     for k, (layout, how, by_hooks) in enumerate(layouts):
         mine = sorted(index[t.name] for t in layout.tensors)  # module order
@@ -493,7 +503,7 @@ def _new_group(
     return GroupSet(groups, kw["name"])
 
 
-def _fp8_selected(refs, specs, dtype, fp8: Float8BlockAllGather, kw) -> set[int]:
+def _fp8_selected(refs, specs, dtypes, fp8: Float8BlockAllGather, kw) -> set[int]:
     """Indices of the parameters an FP8 all-gather gathers (see [Note: FP8 all-gather]).
 
     Raises:
@@ -513,8 +523,8 @@ def _fp8_selected(refs, specs, dtype, fp8: Float8BlockAllGather, kw) -> set[int]
             "FSDP or HSDP meshes, or leave all_gather unset for this module"
         )
     chosen = {i for i, s in enumerate(specs) if fp8.selects(s.shape)}
-    if chosen:
-        check_master_dtype(specs[min(chosen)].name, dtype)
+    for i in sorted(chosen):
+        check_master_dtype(specs[i].name, dtypes[i])
     return chosen
 
 

@@ -104,20 +104,14 @@ def _laid_out(refs, originals, mesh) -> list[torch.Tensor]:
     return [p.to_local() if ref.tp is not None else p for ref, p in zip(refs, originals)]
 
 
-def group_specs(refs, originals, mesh, block_policy) -> tuple[list[TensorSpec], torch.dtype]:
-    """The planner's view of a group's parameters, and their one dtype.
+def group_specs(refs, originals, mesh, block_policy) -> tuple[list[TensorSpec], list]:
+    """The planner's view of a group's parameters, and each one's dtype (a buffer holds
+    one dtype: a group of several is planned into one buffer per dtype).
 
     Raises:
-        NotImplementedError: a 0-d parameter, or parameters of several dtypes.
+        NotImplementedError: a 0-d parameter.
     """
     local = _laid_out(refs, originals, mesh)
-    dtypes = {p.dtype for p in local}
-    if len(dtypes) != 1:
-        raise NotImplementedError(
-            f"fully_shard: parameters {[r.fqn for r in refs]} mix dtypes "
-            f"{sorted(map(str, dtypes))}; "
-            "one group holds one dtype: cast the module, or fully_shard the parts separately"
-        )
     specs = []
     for ref, p, as_held in zip(refs, local, originals):  # block policies see them as held
         if p.dim() == 0:
@@ -129,7 +123,7 @@ def group_specs(refs, originals, mesh, block_policy) -> tuple[list[TensorSpec], 
         specs.append(
             TensorSpec(name=ref.fqn, shape=tuple(p.shape), block_rows=rows, stack=p.dim() >= 3)
         )
-    return specs, dtypes.pop()
+    return specs, [p.dtype for p in local]
 
 
 class ParamGroup:

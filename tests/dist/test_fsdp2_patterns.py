@@ -50,6 +50,7 @@ class _MLP(nn.Module):
         twice: bool = False,
         adapters: bool = False,
         tied: bool = False,
+        frozen_bf16: bool = False,
     ):
         super().__init__()
         torch.manual_seed(0)
@@ -60,9 +61,12 @@ class _MLP(nn.Module):
         self.twice = twice
         if tied:  # the last layer's weight is the first's, transposed in use
             self.l3.weight = self.l1.weight
+        if frozen_bf16:  # a frozen bf16 layer beside trained fp32 ones, in one group
+            self.l2.to(torch.bfloat16).requires_grad_(False)
+        self.one_group = tied or frozen_bf16
 
     def _l2(self, h):
-        return torch.tanh(self.l2(h))
+        return torch.tanh(self.l2(h.to(self.l2.weight.dtype)).to(h.dtype))
 
     def forward(self, x):
         h = torch.tanh(self.l1(x))
@@ -78,7 +82,7 @@ class _MLP(nn.Module):
 
 
 def _shard(fully_shard, model, mesh, **kw):
-    if model.l3.weight is not model.l1.weight:  # tied: one group holds both uses
+    if not model.one_group:  # tied, mixed dtypes: one group holds all
         for m in (model.l1, model.l2, model.l3):
             fully_shard(m, mesh=mesh, **kw)
     fully_shard(model, mesh=mesh, **kw)
@@ -267,6 +271,10 @@ PATTERNS = {
     "frozen first layer": (_frozen_first_layer, {}),
     "frozen base, trained adapters": (_retain_graph_twice, {"adapters": True}),
     "tied weights in one group": (_retain_graph_twice, {"tied": True}),
+    "a frozen bf16 layer beside fp32 ones in one group": (
+        _optimizer_in_backward,
+        {"frozen_bf16": True},
+    ),
     "optimizer in backward, adapters": (_optimizer_in_backward, {"adapters": True}),
     "module called twice": (_retain_graph_twice, {"twice": True}),
     "accumulate without sync": (_accumulate_no_sync, {}),
