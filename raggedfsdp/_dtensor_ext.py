@@ -14,10 +14,17 @@ patched                                what it does for RaggedShard
 ``redistribute_local_tensor`` (x3)     RS<->R, RS<->Shard(0), RS<->RS (one
                                        all-to-all), Partial->RS (one reduce-scatter)
 ``ShardingPropagator`` (instance)      element-wise / foreach ops keep RS (a Replicate
-                                       argument of the same shape is sliced locally);
-                                       norms and sums give a Partial; others raise
-custom op handlers                     norms safe on empty shards; in-place random
-                                       ops, any/all, select: ``_dtensor_init``
+                                       argument of the same rows is sliced locally;
+                                       broadcasts within rows allowed); norms and sums
+                                       give a Partial; row-wise reductions, softmax and
+                                       views keep RS, no communication; ``t``,
+                                       ``transpose`` / ``permute`` moving rows and
+                                       ``addmm`` gather RS to Replicate (one all-gather):
+                                       [Note: row-wise ops]; others raise, naming the op
+                                       and the placements
+custom op handlers                     norms, amax, amin safe on empty shards;
+                                       in-place random ops, any/all, select:
+                                       ``_dtensor_init``
 ``DTensor.__create_write_items__``,    DCP boxes of a ragged row range
 ``__create_chunk_list__``,
 ``__get_tensor_shard__``
@@ -453,6 +460,10 @@ _ELEMENTWISE_EXTRA = {
     aten.fill_.Scalar,
     aten.fill_.Tensor,
     aten.zero_.default,
+    aten.masked_fill.Scalar,  # norm_backward's masking of zero norms
+    aten.masked_fill_.Scalar,
+    aten.masked_fill.Tensor,
+    aten.masked_fill_.Tensor,
 }
 _NOT_ELEMENTWISE_FOREACH = {"aten::_foreach_norm", "aten::_foreach_max"}
 # x.new_empty(size) and friends read only x's mesh: torch's rule (a Replicate result).
@@ -517,9 +528,10 @@ def _column_placements(op, column: list[DTensorSpec]):
     main = [s for s in column if not _is_scalar_like(s)]
     if not main:
         return column[0].placements
-    first = main[0]
-    for s in main[1:]:
-        if s.placements != first.placements or s.tensor_meta.shape != first.tensor_meta.shape:
+    first = next((s for s in main if _is_ragged(s)), main[0])
+    for s in main:
+        same = s.placements == first.placements and s.tensor_meta.shape == first.tensor_meta.shape
+        if not (same or _broadcasts_by_rows(s, first)):
             raise NotImplementedError(
                 f"{op}: a RaggedShard DTensor meets a DTensor of another layout "
                 f"({first.placements} {tuple(first.shape)} vs {s.placements} {tuple(s.shape)}); "
@@ -529,6 +541,29 @@ def _column_placements(op, column: list[DTensorSpec]):
     if any(p.is_partial() for p in first.placements):
         raise NotImplementedError(f"{op}: Partial placements {first.placements} with a RaggedShard")
     return first.placements
+
+
+def _broadcasts_by_rows(spec: DTensorSpec, ragged: DTensorSpec) -> bool:
+    """Whether ``spec`` meets the RaggedShard ``ragged`` in an element-wise op by broadcasting
+    within rows only (see [Note: row-wise ops]): a RaggedShard of the same placements and the
+    same row dims, or a Replicate that spans trailing dims only (``w * scale[None]`` is not:
+    its leading 1 would need the local row dims)."""
+    found = ragged_axis(ragged.placements)
+    if found is None or spec.mesh != ragged.mesh:
+        return False
+    k = len(found[1].dims)
+    shape, rows = spec.tensor_meta.shape, ragged.tensor_meta.shape
+    if spec.placements == ragged.placements:
+        return _same_rows(shape, ragged)
+    return all(p.is_replicate() for p in spec.placements) and len(shape) <= len(rows) - k
+
+
+def _same_rows(shape, ragged: DTensorSpec) -> bool:
+    """Whether a tensor of ``shape`` has the row dims of the RaggedShard ``ragged`` (and its
+    number of dims), so that the RaggedShard cuts it into the same rows."""
+    k = len(ragged_axis(ragged.placements)[1].dims)
+    rows = ragged.tensor_meta.shape
+    return len(shape) == len(rows) and shape[:k] == rows[:k]
 
 
 def _localized_replicas(op_schema: OpSchema) -> OpSchema | None:
@@ -546,7 +581,7 @@ def _localized_replicas(op_schema: OpSchema) -> OpSchema | None:
             and not _is_scalar_like(spec)
             and all(p.is_replicate() for p in spec.placements)
             and spec.mesh == target.mesh
-            and spec.tensor_meta.shape == target.tensor_meta.shape
+            and _same_rows(spec.tensor_meta.shape, target)
         ):
             return DTensorSpec(spec.mesh, target.placements, tensor_meta=spec.tensor_meta)
         return spec
@@ -569,7 +604,8 @@ def _ragged_output_sharding(prop, op_schema: OpSchema) -> OutputSharding:
     """[Note: Replicate meets RaggedShard]
     An element-wise op between a RaggedShard DTensor and a Replicate one of the same
     shape (``sharded.copy_(replicated)``, ``add_``, ``lerp_``: what checkpoint loaders
-    and init code do) runs on the replicated side's local slice: the propagation asks
+    and init code do), or of the same rows (a row-wise reduction's gradient, shape
+    ``(rows, 1)``), runs on the replicated side's local slice: the propagation asks
     the dispatcher to redistribute it to the RaggedShard placement, which for a
     Replicate source is a view of its rows, with no communication.
     """
@@ -589,12 +625,22 @@ def _ragged_output_sharding(prop, op_schema: OpSchema) -> OutputSharding:
 
     if op in _REDUCTIONS:
         return OutputSharding(_REDUCTIONS[op](op_schema, out_meta, spec))
+    if op in _ROW_REDUCTIONS:  # see [Note: row-wise ops]
+        return _row_reduction(op_schema, out_meta, spec)
+    if op in _ROW_VIEWS:
+        out = _row_view(op_schema, out_meta, spec)
+        if out is not None:
+            return out
+    if op in _GATHERED:
+        return _gathered(op_schema)
 
     if not _is_elementwise(op):
+        placements = [s.placements for s in _specs_in(list(op_schema.args_schema))]
         raise NotImplementedError(
-            f"{op} is not supported on a RaggedShard DTensor: RaggedShard supports element-wise "
-            "and foreach ops between DTensors of the same placement, norms and sums; "
-            "redistribute to Replicate() or Shard(0) first"
+            f"{op} is not supported on a RaggedShard DTensor (argument placements "
+            f"{placements}): RaggedShard supports element-wise and foreach ops, norms, sums, "
+            "row-wise reductions and views (see [Note: row-wise ops] in "
+            "raggedfsdp._dtensor_ext); redistribute to Replicate() or Shard(0) first"
         )
     columns = [_column_placements(op, col) for col in _elementwise_columns(op_schema)]
     if out_meta is None:
@@ -631,18 +677,6 @@ def _reduced_placement(placements, norm_type=None):
     return out
 
 
-def _vector_norm_rule(op_schema, out_meta, spec):
-    args = op_schema.args_schema
-    src, ord_ = args[0], (args[1] if len(args) > 1 else 2)
-    dim = args[2] if len(args) > 2 else op_schema.kwargs_schema.get("dim")
-    if dim is not None and sorted(d % len(src.shape) for d in dim) != list(range(len(src.shape))):
-        raise NotImplementedError(
-            f"linalg.vector_norm over dims {dim} of a RaggedShard DTensor: only the norm of "
-            "the whole tensor (dim=None) is supported"
-        )
-    return spec(_reduced_placement(src.placements, ord_), out_meta)
-
-
 def _foreach_norm_rule(op_schema, out_meta, spec):
     srcs = op_schema.args_schema[0]
     ord_ = op_schema.args_schema[1] if len(op_schema.args_schema) > 1 else 2
@@ -654,47 +688,314 @@ def _sum_rule(op_schema, out_meta, spec):
 
 
 _REDUCTIONS = {
-    aten.linalg_vector_norm.default: _vector_norm_rule,
     aten._foreach_norm.Scalar: _foreach_norm_rule,
     aten.sum.default: _sum_rule,
 }
 
 
-def _empty_safe_norm(op_call, args, kwargs):
-    """Local norms where an empty shard contributes the reduction's identity.
+# ---------------------------------------------------------------------------------------------
+# Row-wise ops
+# ---------------------------------------------------------------------------------------------
+# [Note: row-wise ops]
+# A rank of a RaggedShard holds whole rows: the leading ``k = len(dims)`` dims. An op that
+# treats each row apart keeps them where they are, and its result is the same RaggedShard
+# of the result's shape (the same rows on every rank), computed on the local rows with no
+# communication:
+#   - a reduction, softmax or cumsum over trailing dims only (``w.norm(dim=1)``,
+#     ``w.sum(-1)``, ``w.amax(1)``, ``w.mean(1)``, ``w.max(1)``, ``softmax(w, -1)``);
+#   - a view, ``expand``, ``unsqueeze`` / ``squeeze``, ``transpose`` / ``permute`` that
+#     leave dims ``0..k-1`` in place;
+#   - an element-wise op whose arguments broadcast within rows: a RaggedShard of the same
+#     placements and row dims (``w / w.norm(dim=1, keepdim=True)``) or a Replicate that
+#     spans trailing dims only (``w * scale`` with ``scale`` of shape ``w.shape[1:]``).
+# The local tensor merges the k row dims into one, so a trailing global dim ``d`` is local
+# dim ``d - k + 1`` and a shape argument's k row sizes become the local row count: the
+# rule hands those rewritten arguments to the local op.
+# A reduction over every row dim (and maybe others) gives a Partial: sum, p-norm, amax and
+# amin, to which a rank holding no rows contributes the identity. ``mean`` over the rows,
+# a reduction over some row dims only, and a view that regroups rows raise.
+# Ops that put the rows elsewhere -- ``t``, ``transpose`` / ``permute`` moving a row dim,
+# ``addmm`` (``F.linear``'s bias) -- have no ragged placement for their result. Their
+# RaggedShard arguments are gathered to Replicate first, then torch's own rule runs: one
+# all-gather of the whole tensor per call, its full size alive on every rank (what an
+# unshard costs); the result is a copy (writing into ``w.t()`` does not change ``w``),
+# and its gradient reaches the RaggedShard leaf as a Replicate, as torch's does for a
+# Shard(0) parameter under the same ops.
+class _RowReduction(NamedTuple):
+    dim_arg: int  # the position of the ``dim`` argument
+    partial: str | None  # how a reduction over the rows completes; None: it cannot
 
-    torch refuses the inf / -inf norm of an empty tensor (no identity), but a rank
-    holding zero blocks of a RaggedShard must still join the reduction: its part
-    is 0 for the inf norm (norms are >= 0) and +inf for the -inf norm.
+
+_ROW_REDUCTIONS = {
+    aten.linalg_vector_norm.default: _RowReduction(2, "norm"),
+    aten.sum.dim_IntList: _RowReduction(1, "sum"),
+    aten.amax.default: _RowReduction(1, "max"),
+    aten.amin.default: _RowReduction(1, "min"),
+    aten.mean.dim: _RowReduction(1, None),
+    aten.prod.dim_int: _RowReduction(1, None),
+    aten.max.dim: _RowReduction(1, None),
+    aten.min.dim: _RowReduction(1, None),
+    aten.argmax.default: _RowReduction(1, None),
+    aten.argmin.default: _RowReduction(1, None),
+    aten.logsumexp.default: _RowReduction(1, None),
+    aten.var.correction: _RowReduction(1, None),
+    aten.std.correction: _RowReduction(1, None),
+    aten.any.dim: _RowReduction(1, None),
+    aten.all.dim: _RowReduction(1, None),
+    # dim-preserving: the result has the input's shape
+    aten._softmax.default: _RowReduction(1, None),
+    aten._log_softmax.default: _RowReduction(1, None),
+    aten._softmax_backward_data.default: _RowReduction(2, None),
+    aten._log_softmax_backward_data.default: _RowReduction(2, None),
+    aten.cumsum.default: _RowReduction(1, None),
+}
+_ROW_VIEWS = {
+    aten.view.default,
+    aten._unsafe_view.default,
+    aten.expand.default,
+    aten.unsqueeze.default,
+    aten.squeeze.dim,
+    aten.squeeze.dims,
+    aten.transpose.int,
+    aten.permute.default,
+    aten.t.default,
+}
+# gathered to Replicate where they move rows (see the Note)
+_GATHERED = {aten.t.default, aten.transpose.int, aten.permute.default, aten.addmm.default}
+_torch_propagate = None  # torch's own propagate_op_sharding_non_cached: _install_propagation
+
+
+def _row_args(op_schema: OpSchema, index: int, value) -> OpSchema:
+    """``op_schema`` with positional argument ``index`` replaced by ``value``."""
+    args = list(op_schema.args_schema)
+    args[index] = value
+    return OpSchema(op_schema.op, tuple(args), op_schema.kwargs_schema, op_schema.schema_info)
+
+
+def _with_local_args(output_spec, local_schema: OpSchema | None) -> OutputSharding:
+    """An OutputSharding whose local op runs with the arguments of ``local_schema``."""
+    if local_schema is None:
+        return OutputSharding(output_spec)
+    return OutputSharding(
+        output_spec,
+        redistribute_schema=local_schema,
+        needs_redistribute=True,
+        use_val_from_redistribute_schema=True,
+    )
+
+
+def _row_reduction(op_schema: OpSchema, out_meta, spec) -> OutputSharding:
+    op, args = op_schema.op, op_schema.args_schema
+    rule = _ROW_REDUCTIONS[op]
+    src = next(a for a in args if isinstance(a, DTensorSpec) and _is_ragged(a))
+    ndim, placements = len(src.shape), src.placements
+    axis, rs = ragged_axis(placements)
+    k = len(rs.dims)
+    dim = args[rule.dim_arg] if len(args) > rule.dim_arg else op_schema.kwargs_schema.get("dim")
+    given = [dim] if isinstance(dim, int) else list(dim or ())
+    dims = sorted({d % ndim for d in given}) if given else list(range(ndim))
+    metas = [out_meta] if isinstance(out_meta, TensorMeta) else list(out_meta)
+    keepdim = len(metas[0].shape) == ndim
+
+    def fail(why):
+        return NotImplementedError(
+            f"{op} over dims {dim} of a DTensor of shape {tuple(src.shape)} placed "
+            f"{placements}: {why}; redistribute to Replicate() first"
+        )
+
+    if all(d >= k for d in dims):  # row-wise: every rank reduces its own rows
+        out = []
+        for p in placements:
+            if type(p) is Shard:  # before the RaggedShard: [Note: composed placements]
+                if p.dim in dims:
+                    raise fail("it reduces the dim a Shard before the RaggedShard cuts")
+                p = p if keepdim else Shard(p.dim - sum(d < p.dim for d in dims))
+            out.append(p)
+        local = None
+        if k > 1 and given:  # local dim d - k + 1 (see the Note)
+            moved = [d % ndim - k + 1 for d in given]
+            local = _row_args(op_schema, rule.dim_arg, moved[0] if isinstance(dim, int) else moved)
+        # another tensor argument of the same rows (softmax's backward: the gradient), if
+        # Replicate, runs on its local rows (a slice, no communication)
+        for i, a in enumerate(args):
+            if isinstance(a, DTensorSpec) and a.placements != placements:
+                if not (all(p.is_replicate() for p in a.placements) and _same_rows(a.shape, src)):
+                    raise fail(f"its argument {i} is placed {a.placements}")
+                local = _row_args(
+                    local or op_schema, i, DTensorSpec(a.mesh, placements, a.tensor_meta)
+                )
+        outs = tuple(spec(out, m) for m in metas)
+        return _with_local_args(outs[0] if isinstance(out_meta, TensorMeta) else outs, local)
+    if rule.partial is None or not set(range(k)) <= set(dims):
+        what = "over the rows" if rule.partial is None else "over some of the row dims only"
+        raise fail(f"only a reduction within rows is supported for it, not one {what}")
+    if k > 1 and given:
+        raise fail("a reduction over the rows of a RaggedShard of several row dims needs dim=None")
+    if rule.partial == "norm":
+        ord_ = args[1] if len(args) > 1 else op_schema.kwargs_schema.get("ord", 2)
+        partial = _partial_for_norm(ord_)
+    else:
+        partial = Partial(rule.partial)
+    out = []
+    for p in placements:
+        if isinstance(p, RaggedShard) or (type(p) is Shard and p.dim in dims):
+            p = partial
+        elif type(p) is Shard and not keepdim:
+            p = Shard(p.dim - sum(d < p.dim for d in dims))
+        out.append(p)
+    return OutputSharding(spec(out, out_meta))
+
+
+def _row_view(op_schema: OpSchema, out_meta, spec) -> OutputSharding | None:
+    """A view that keeps the rows in place (see [Note: row-wise ops]); None for a
+    transpose or permute that moves them (gathered instead).
+
+    Raises:
+        NotImplementedError: a view that regroups rows, or one under a Shard axis.
     """
+    op, args = op_schema.op, op_schema.args_schema
+    src = args[0]
+    shape, out_shape = tuple(src.shape), tuple(out_meta.shape)
+    axis, rs = ragged_axis(src.placements)
+    k = len(rs.dims)
+
+    def fail(why):
+        return NotImplementedError(
+            f"{op} of a DTensor of shape {shape} placed {src.placements} to shape {out_shape}: "
+            f"{why}; redistribute to Replicate() first"
+        )
+
+    def local(d):  # a global dim >= k as a dim of the local tensor
+        return d - k + 1
+
+    if op in (aten.t.default, aten.transpose.int, aten.permute.default):
+        if op is aten.t.default:
+            perm = list(range(len(shape)))[::-1]
+        elif op is aten.transpose.int:
+            a, b = (d % max(len(shape), 1) for d in args[1:3])
+            perm = list(range(len(shape)))
+            perm[a], perm[b] = perm[b], perm[a]
+        else:
+            perm = [d % len(shape) for d in args[1]]
+        if perm[:k] != list(range(k)):
+            return None
+        local_schema = None
+        if k > 1 and op is aten.transpose.int and a != b:
+            local_schema = _row_args(_row_args(op_schema, 1, local(a)), 2, local(b))
+        elif k > 1 and op is aten.permute.default:
+            local_schema = _row_args(op_schema, 1, [0, *(local(d) for d in perm[k:])])
+    else:
+        if any(type(p) is Shard for p in src.placements):
+            raise fail("a view under a Shard axis before the RaggedShard is not supported")
+        if out_shape[:k] != shape[:k] or len(out_shape) < k:
+            raise fail(f"the result does not keep the {k} row dim(s) in place")
+        if op in (aten.view.default, aten._unsafe_view.default, aten.expand.default):
+            if op is aten.expand.default and len(args[1]) != len(shape):
+                raise fail("expand adds leading dims")
+            piece = ragged_piece(out_shape, src.mesh, src.placements)
+            rows = rs.local_shape(piece.shape, piece.coord)[0]
+            local_schema = _row_args(op_schema, 1, [rows, *args[1][k:]])
+        else:
+            if op is aten.unsqueeze.default:
+                moved = [args[1] % len(out_shape)]
+            elif op is aten.squeeze.dim:
+                moved = [args[1] % len(shape)]
+            else:
+                moved = [d % len(shape) for d in args[1]]
+            if any(d < k for d in moved):
+                raise fail(f"it un/squeezes a row dim ({k} row dim(s))")
+            local_schema = None
+            if k > 1:
+                new = [local(d) for d in moved]
+                local_schema = _row_args(op_schema, 1, new if op is aten.squeeze.dims else new[0])
+    return _with_local_args(spec(src.placements, out_meta), local_schema)
+
+
+def _gathered(op_schema: OpSchema) -> OutputSharding:
+    """Gather every RaggedShard argument to Replicate, then torch's own rule (see
+    [Note: row-wise ops]): one all-gather per RaggedShard argument."""
+
+    def replicate(spec):
+        if not isinstance(spec, DTensorSpec) or not _is_ragged(spec):
+            return spec
+        axis, _ = ragged_axis(spec.placements)
+        placements = tuple(Replicate() if i == axis else p for i, p in enumerate(spec.placements))
+        return DTensorSpec(spec.mesh, placements, tensor_meta=spec.tensor_meta)
+
+    gathered = OpSchema(
+        op_schema.op,
+        tuple(replicate(a) for a in op_schema.args_schema),
+        {k: replicate(v) for k, v in op_schema.kwargs_schema.items()},
+        schema_info=op_schema.schema_info,
+    )
+    out = _torch_propagate(gathered)
+    if out.redistribute_schema is None:  # torch runs it as given: gathered is the input
+        out.redistribute_schema, out.needs_redistribute = gathered, True
+    return out
+
+
+def _identity(op_call, args, kwargs, dtype) -> float | None:
+    """The value a rank holding no rows contributes to a reduction over the rows, where
+    torch refuses the reduction of an empty tensor (None where torch's own result is it)."""
+    if op_call in (aten.amax.default, aten.amin.default):
+        big = math.inf if dtype.is_floating_point else torch.iinfo(dtype).max
+        return -big if op_call is aten.amax.default else big
     ord_ = args[1] if len(args) > 1 else kwargs.get("ord", 2)
     if not math.isinf(ord_):
+        return None
+    return 0.0 if ord_ > 0 else math.inf  # norms are >= 0: the max's identity is 0
+
+
+def _empty_safe_reduction(op_call, args, kwargs, partial: bool):
+    """Local norms, amax and amin where an empty shard contributes the reduction's identity.
+
+    torch refuses the inf / -inf norm, amax and amin of an empty tensor (no identity), but
+    a rank holding zero blocks of a RaggedShard must still join a reduction over the rows
+    (a ``partial`` result): it reduces one row of the identity instead.
+    """
+    identity = _identity(
+        op_call, args, kwargs, (args[0][0] if isinstance(args[0], list) else args[0]).dtype
+    )
+    if identity is None or not partial:
         return op_call(*args, **kwargs)
 
     def one(t):
-        if t.numel():
-            return aten.linalg_vector_norm.default(t, ord_, dtype=kwargs.get("dtype"))
-        dtype = kwargs.get("dtype") or t.dtype
-        return torch.full((), 0.0 if ord_ > 0 else math.inf, dtype=dtype, device=t.device)
+        return t.new_full((1, *t.shape[1:]), identity) if t.numel() == 0 else t
 
     if op_call is aten._foreach_norm.Scalar:
-        return [one(t) for t in args[0]]
-    return one(args[0])
+        return op_call([one(t) for t in args[0]], *args[1:], **kwargs)
+    return op_call(one(args[0]), *args[1:], **kwargs)
 
 
-def _norm_handler(op_call, args, kwargs):
-    """DTensor custom handler for norms: ragged inputs here, everything else to torch."""
+def _reduction_handler(op_call, args, kwargs):
+    """DTensor custom handler for norms, amax and amin: ragged inputs here, everything else
+    to torch."""
     dispatcher = DTensor._op_dispatcher
     op_info = dispatcher.unwrap_to_op_info(op_call, args, kwargs)
     if not _schema_is_ragged(op_info.schema):
         # hand the op back to torch's own path (as torch.distributed.tensor.parallel.loss does)
-        return _to_torch(op_call, _norm_handler, args, kwargs)
+        return _to_torch(op_call, _reduction_handler, args, kwargs)
     sharding = dispatcher.sharding_propagator.propagate_op_sharding(op_info.schema)
+    if sharding.needs_redistribute:  # the local op's own arguments: [Note: row-wise ops]
+        dispatcher.redistribute_local_args(
+            op_info, sharding.redistribute_schema, sharding.use_val_from_redistribute_schema
+        )
     local_args = op_info.local_args
     if op_info.args_tree_spec is not None:
         local_args = pytree.tree_unflatten(local_args, op_info.args_tree_spec)
-    local = _empty_safe_norm(op_call, local_args, op_info.local_kwargs)
+    specs = sharding.output_spec
+    specs = specs if isinstance(specs, list | tuple) else [specs]
+    partial = any(p.is_partial() for s in specs for p in s.placements)
+    local = _empty_safe_reduction(op_call, local_args, op_info.local_kwargs, partial)
     return dispatcher.wrap(local, sharding.output_spec)
+
+
+_REDUCTION_HANDLED = (
+    aten.linalg_vector_norm.default,
+    aten._foreach_norm.Scalar,
+    aten.amax.default,
+    aten.amin.default,
+)
 
 
 def _to_torch(op_call, handler, args, kwargs):
@@ -710,6 +1011,8 @@ def _to_torch(op_call, handler, args, kwargs):
 def _install_propagation() -> None:
     prop = DTensor._op_dispatcher.sharding_propagator
     original = prop.propagate_op_sharding_non_cached
+    global _torch_propagate
+    _torch_propagate = original
 
     def propagate_op_sharding_non_cached(op_schema: OpSchema) -> OutputSharding:
         if _schema_is_ragged(op_schema) and op_schema.op not in _NEW_FACTORIES:
@@ -720,8 +1023,8 @@ def _install_propagation() -> None:
     prop.propagate_op_sharding_non_cached = propagate_op_sharding_non_cached
     prop.propagate_op_sharding = LocalLRUCache(propagate_op_sharding_non_cached)
     handlers = DTensor._op_dispatcher._custom_op_handlers
-    for op in (aten.linalg_vector_norm.default, aten._foreach_norm.Scalar):
-        handlers[op] = _norm_handler
+    for op in _REDUCTION_HANDLED:
+        handlers[op] = _reduction_handler
     from raggedfsdp import _dtensor_init  # needs this module's names: imported once here
 
     for op in _dtensor_init.RANDOM_INPLACE:

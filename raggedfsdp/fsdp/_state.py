@@ -358,6 +358,9 @@ class FSDPState:
         """End of backward (root only): reduce the rest, wait, set the sharded grads."""
         for s in self._states:
             s._pending_post_backward = 0
+            # A group some of whose modules did not run (the chunked loss runs the head of
+            # a [norm, head] group alone, once per chunk): the next forward starts afresh.
+            s._forward_pending = set()
             if s.group is not None and s.group.needs_post_backward:
                 self._wait_earlier_reduces(s)  # as in _post_backward: bounded in flight
                 s.group.post_backward(reshard=s.reshard_after_backward)
