@@ -87,7 +87,8 @@ def ragged_axis(placements: Sequence) -> tuple[int, RaggedShard] | None:
 
     [Note: composed placements] A RaggedShard may follow ``Shard(d)`` placements on
     earlier mesh axes: placements apply left to right, so the Shard axes cut the global
-    tensor first (evenly) and the RaggedShard cuts the rows of the piece they leave.
+    tensor first (as torch.chunk: unevenly, 14 and 13 of 27 rows, where the dim does not
+    divide) and the RaggedShard cuts the rows of the piece they leave.
     That is FSDP x TP: the sharded parameter lives on the ``(tp, dp)`` mesh placed
     ``(Shard(d), RaggedShard(...))``, the TP shard's rows cut over the data-parallel
     ranks. (FSDP2 puts the dp axis first and calls its placement ``_StridedShard``;
@@ -144,25 +145,20 @@ class RaggedPiece(NamedTuple):
 
 
 def ragged_piece(global_shape: Sequence[int], mesh, placements: Sequence) -> RaggedPiece:
-    """The RaggedShard of ``placements`` and the piece of ``global_shape`` it cuts.
-
-    Raises:
-        NotImplementedError: a Shard axis that does not split its dim evenly.
-    """
+    """The RaggedShard of ``placements`` and the piece of ``global_shape`` it cuts (a
+    Shard axis that splits its dim unevenly leaves each rank torch.chunk's piece)."""
     axis, rs = ragged_axis(placements)
     shape, offset = list(global_shape), [0] * len(global_shape)
     for i, p in enumerate(placements[:axis]):
         if p.is_replicate():
             continue
-        n = mesh.size(i)
-        if shape[p.dim] % n:
-            raise NotImplementedError(
-                f"placements {tuple(placements)} over shape {tuple(global_shape)}: {p} on mesh "
-                f"axis {i} splits {shape[p.dim]} over {n} ranks unevenly; a RaggedShard after "
-                "a Shard needs an even Shard (pad the dim, or change the parallel plan)"
-            )
-        shape[p.dim] //= n
-        offset[p.dim] += mesh.get_local_rank(i) * shape[p.dim]
+        # torch.chunk's pieces, as DTensor cuts an uneven Shard (27 rows over 2: 14, 13);
+        # each rank's RaggedShard cuts its own piece
+        size, start = Shard.local_shard_size_and_offset(
+            shape[p.dim], mesh.size(i), mesh.get_local_rank(i)
+        )
+        shape[p.dim] = size
+        offset[p.dim] += start
     return RaggedPiece(axis, rs, tuple(shape), tuple(offset), mesh.get_local_rank(axis))
 
 

@@ -18,6 +18,7 @@ from torch.distributed.tensor import Shard
 from raggedfsdp.fsdp._buffers import buffer_of
 from raggedfsdp.fsdp._fp8 import Float8BlockAllGather, check_master_dtype
 from raggedfsdp.fsdp._group_set import GroupSet
+from raggedfsdp.fsdp._mesh import dp_key, placement_and_mesh
 from raggedfsdp.fsdp._param_group import ParamGroup, ParamRef, ShardedState, group_specs
 from raggedfsdp.fsdp._policy import BlockPolicy, BlockRows, MixedPrecisionPolicy
 from raggedfsdp.fsdp._state import FSDPState, resolve_reshard_after_forward, state_of
@@ -43,7 +44,7 @@ def fully_shard(
     *,
     mesh: DeviceMesh | None = None,
     reshard_after_forward: bool | int | None = None,
-    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = None,
+    shard_placement_fn: Callable[[nn.Parameter], object] | None = None,
     mp_policy: MixedPrecisionPolicy | TorchMixedPrecisionPolicy = _NO_MIXED_PRECISION,
     offload_policy: OffloadPolicy = _NO_OFFLOAD,
     ignored_params: set[nn.Parameter] | None = None,
@@ -76,7 +77,11 @@ def fully_shard(
             backward needs first (an explicit True reshards the root too).
         shard_placement_fn: FSDP2's per-parameter placement: ``None`` or ``Shard(0)``
             for a parameter is what RaggedShard does (dim-0 rows, whole blocks);
-            ``Shard(d)`` for ``d > 0`` is refused (NotImplementedError). Default None.
+            ``Shard(d)`` for ``d > 0`` is refused (NotImplementedError). torch's
+            ``ShardPlacementResult(placement, mesh_info)`` also gives the parameter its
+            own data-parallel mesh (experts over an expert-data-parallel mesh): such
+            parameters lie in buffers of their own mesh, see [Note: a mesh per
+            parameter]. Default None.
         mp_policy: mixed precision, raggedfsdp's or torch's ``MixedPrecisionPolicy``.
             Default: none.
         offload_policy: torch's ``OffloadPolicy`` (none) or ``CPUOffloadPolicy``: the
@@ -193,27 +198,44 @@ def fully_shard(
         )
     resolve_reshard_after_forward(reshard_after_forward, mesh.size(-1))  # raises on bad input
     refs, originals = _collect_params(modules, set(ignored_params or ()))
+    meshes = [mesh] * len(refs)  # each parameter's data-parallel mesh
     if shard_placement_fn is not None:
-        for ref, p in zip(refs, originals):
-            _check_placement(ref.fqn, p, shard_placement_fn(p))
+        for i, (ref, p) in enumerate(zip(refs, originals)):
+            placement, meshes[i] = placement_and_mesh(ref.fqn, shard_placement_fn(p), mesh)
+            _check_placement(ref.fqn, p, placement)
     name = type(modules[0]).__name__ + (f" and {len(modules) - 1} more" if len(modules) > 1 else "")
     group = None
-    if refs:
-        group = _new_group(
-            refs,
-            originals,
-            mesh,
-            mp_policy,
-            block_policy,
-            alignment_bytes,
-            max_buffers,
-            buffer_alpha_bytes,
-            member_gaps,
-            name=name,
-            offload=isinstance(offload_policy, CPUOffloadPolicy),
-            pin_memory=getattr(offload_policy, "pin_memory", True),
-            grads_in_params=grads_in_params,
+    # [Note: a mesh per parameter] Parameters that shard_placement_fn gives their own mesh
+    # (torch's ShardPlacementResult) are planned apart, one buffer kind per data-parallel
+    # mesh (compared by process groups, as FSDP2 groups them); the call's groups are one
+    # GroupSet whose buffers live on different meshes.
+    by_mesh: dict[tuple, list[int]] = {}
+    for i, m in enumerate(meshes):
+        by_mesh.setdefault(dp_key(m), []).append(i)
+    parts = []
+    for k, mine in enumerate(by_mesh.values()):
+        part_name = name if len(by_mesh) == 1 else f"{name}[mesh {k}]"
+        parts.append(
+            _new_group(
+                [refs[i] for i in mine],
+                [originals[i] for i in mine],
+                meshes[mine[0]],
+                mp_policy,
+                block_policy,
+                alignment_bytes,
+                max_buffers,
+                buffer_alpha_bytes,
+                member_gaps,
+                name=part_name,
+                offload=isinstance(offload_policy, CPUOffloadPolicy),
+                pin_memory=getattr(offload_policy, "pin_memory", True),
+                grads_in_params=grads_in_params,
+            )
         )
+    if len(parts) == 1:
+        group = parts[0]
+    elif parts:
+        group = GroupSet([g for part in parts for g in getattr(part, "groups", [part])], name)
     for ref, p in zip(refs, originals):
         setattr(p, _MOVED_ATTR, (name, ref.fqn))
     FSDPState(modules, group, mesh, mp_policy, reshard_after_forward)
@@ -315,12 +337,6 @@ def _as_names(dim) -> tuple[str, ...]:
 
 def _check_placement(fqn: str, param: nn.Parameter, placement) -> None:
     if placement is not None and not isinstance(placement, Shard):
-        if type(placement).__name__ == "ShardPlacementResult":  # a mesh per parameter
-            raise NotImplementedError(
-                f"fully_shard: shard_placement_fn gives parameter {fqn!r} a mesh of its own "
-                f"({placement!r}); not supported: fully_shard such parameters in a call of "
-                "their own, with mesh=their mesh"
-            )
         raise ValueError(
             f"fully_shard: shard_placement_fn gives parameter {fqn!r} {placement!r}; expected "
             "None or Shard(dim) (RaggedShard cuts dim 0: return None or Shard(0))"

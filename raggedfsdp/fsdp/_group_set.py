@@ -2,7 +2,8 @@
 in ``raggedfsdp/planner/_multi.py``.
 
 A ``GroupSet`` answers ``FSDPState`` as one ``ParamGroup`` would, and runs each action
-on every buffer's ``ParamGroup``: all-gathers are issued back to back and waited
+on every buffer's ``ParamGroup`` (buffers may live on different meshes: [Note: a mesh
+per parameter] in ``_api.py``): all-gathers are issued back to back and waited
 together, reduce-scatters likewise, each still in place. Each buffer keeps its own
 gradient storage, allocated at its own first gradient ([Note: gradient storage]), so
 a buffer whose parameters get their gradients late in backward holds no gradient
@@ -66,15 +67,22 @@ class GroupSet:
 
     @property
     def process_group(self):
+        """The first buffer's shard group (buffers of a mesh per parameter may differ:
+        code that needs each buffer's reads ``groups``)."""
         return self.groups[0].process_group
 
     @property
     def replicate_group(self):
-        return self.groups[0].replicate_group
+        """A buffer's replicate group (HSDP), None when no buffer has one."""
+        return next((g.replicate_group for g in self.groups if g.replicate_group), None)
 
     @property
     def state(self):
         return self.groups[0].state
+
+    @property
+    def is_unsharded(self) -> bool:
+        return all(g.is_unsharded for g in self.groups)
 
     # ---- unshard / reshard -----------------------------------------------------------------
     def unshard(self, async_op: bool = False) -> None:

@@ -246,6 +246,11 @@ class ParamGroup:
         self.reduce_process_group = self.process_group  # or its own (separate RS group)
         self.unloaded: dict[str, str] = {}  # fqn -> key, on meta after a partial load
 
+    @property
+    def is_unsharded(self) -> bool:
+        """The modules hold the unsharded parameters (the all-gather waited)."""
+        return self.state is ShardedState.UNSHARDED and self._gather is None
+
     def placements(self, ref: ParamRef) -> list:
         """The sharded parameter's placements: its TP placement (FSDP x TP), ``[Replicate()]``
         on the replicate dim (HSDP), then its RaggedShard."""

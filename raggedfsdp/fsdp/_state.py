@@ -120,6 +120,11 @@ class FSDPState:
         self._states: list[FSDPState] = []
         self._forward_order: list[FSDPState] = []
         self._recording = True
+        # This iteration's post-forwards, in order and with multiplicity: a group's
+        # pre-backward prefetches the group that finished forward just before its own
+        # matching post-forward (as FSDP2's post_forward_order)
+        self._post_forward_order: list[FSDPState] = []
+        self._post_forward_indices: list[int] = []  # this group's places in the root's
         self._callback_queued = False
         self._reduce_order: list[FSDPState] = []  # groups in the order they started reducing
         _run_hooks_eagerly(self)
@@ -142,11 +147,18 @@ class FSDPState:
             ValueError: not a bool, an int or None; an int that is not a factor.
         """
         self._auto_reshard = value is None
-        value, size = resolve_reshard_after_forward(value, self.mesh.size(-1), warn=True)
-        post_forward = _post_forward_group(self.mesh, size) if size is not None else None
-        self.reshard_after_forward: bool = value
-        if self.group is not None:
-            self.group.post_forward_group = post_forward
+        resolved, size = resolve_reshard_after_forward(value, self.mesh.size(-1), warn=True)
+        self.reshard_after_forward: bool = resolved
+        made: dict[int, PostForwardGroup | None] = {}  # one per shard group
+        for g in _buffers(self.group):  # a buffer of its own mesh sizes its own group
+            key = id(g.process_group)
+            if key not in made:
+                if g.mesh is self.mesh:
+                    k = size
+                else:
+                    k = resolve_reshard_after_forward(value, g.world)[1]
+                made[key] = _post_forward_group(g.mesh, k) if k is not None else None
+            g.post_forward_group = made[key]
 
     def set_reshard_after_backward(self, value: bool) -> None:
         self.reshard_after_backward = value
@@ -216,6 +228,8 @@ class FSDPState:
 
     # ---- forward --------------------------------------------------------------------------
     def _pre_forward(self, module, args, kwargs):
+        if _in_backward():
+            return self._rerun_in_backward(args, kwargs)
         if not self._forward_pending:  # the first of the group's modules: unshard
             self._group_pre_forward()
             self._forward_pending = {id(m) for m in self.modules}
@@ -231,6 +245,8 @@ class FSDPState:
         if self.is_root:  # a new forward: a group whose last module ran several times, or
             for s in self._states:  # not at all, starts afresh (FSDP2 resets it the same way)
                 s._forward_pending = set()
+                s._post_forward_indices = []
+            self._post_forward_order = []
         root = self.root
         if root._recording and self not in root._forward_order:
             root._forward_order.append(self)
@@ -247,10 +263,33 @@ class FSDPState:
         for nxt in self._prefetch_targets(forward=True):
             nxt.group.unshard(async_op=True)
 
+    def _rerun_in_backward(self, args, kwargs):
+        """Activation checkpointing reruns the module's forward inside a backward: the
+        parameters are gathered if they are not unsharded, and stay so for the backward
+        that follows (the post-forward hook does not reshard); nothing is prefetched (the
+        next module in forward order has had its backward) and the group's state is left
+        to its backward hooks, as FSDP2 does (``is_bw()`` in its post-forward). The
+        gradient hooks are still added: reentrant checkpointing backpropagates through
+        the rerun's graph."""
+        if self.group is not None and not self.group.is_unsharded:
+            self.group.unshard()
+            self.group.wait_for_unshard()
+        if self.mp_policy.cast_forward_inputs and self.mp_policy.param_dtype is not None:
+            args, kwargs = _cast_floats((args, kwargs), self.mp_policy.param_dtype)
+        if torch.is_grad_enabled():
+            args, kwargs = self._register_post_backward(args, kwargs)
+        return args, kwargs
+
     def _post_forward(self, module, args, *kwargs_and_output):
         """Forward hook ``(module, args, kwargs, output)``; torch's
         ``register_fsdp_forward_method`` calls it as ``(module, args, output)``."""
         output = kwargs_and_output[-1]
+        if _in_backward():  # a rerun: see _rerun_in_backward
+            if torch.is_grad_enabled():
+                output = self._register_pre_backward(output)
+            if self.mp_policy.output_dtype is not None:
+                output = _cast_floats(output, self.mp_policy.output_dtype)
+            return output
         self._forward_pending.discard(id(module))
         if not self._forward_pending:  # the last of the group's modules: reshard
             self._group_post_forward()
@@ -266,16 +305,33 @@ class FSDPState:
                 self.group.reshard()
             elif self.reshard_after_forward and not (self.is_root and self._auto_reshard):
                 self.group.reshard(post_forward=True)
+        if torch.is_grad_enabled() and self.root is not None:
+            self._post_forward_indices.append(len(self.root._post_forward_order))
+            self.root._post_forward_order.append(self)
         self.training_state = TrainingState.IDLE
 
     def _prefetch_targets(self, forward: bool) -> list[FSDPState]:
         explicit = self.forward_prefetch if forward else self.backward_prefetch
         if explicit is not None:
             targets = explicit
-        else:
-            nxt = self._next_in_order(1 if forward else -1)
+        elif forward:
+            nxt = self._next_in_order(1)
             targets = [nxt] if nxt is not None else []
+        else:
+            targets = self._backward_prefetch_target()
         return [t for t in targets if t.group is not None]
+
+    def _backward_prefetch_target(self) -> list[FSDPState]:
+        """The group whose forward finished just before this backward's matching one (each
+        pre-backward consumes one of the group's post-forwards, latest first). A backward
+        that reaches only part of the forward (the chunked loss backpropagates each chunk
+        through the head alone) consumes only its own groups' post-forwards, so it
+        prefetches no group that only a later backward needs."""
+        if not self._post_forward_indices:
+            return []
+        index = self._post_forward_indices.pop()
+        target = self.root._post_forward_order[index - 1] if index > 0 else None
+        return [target] if target is not None and target is not self else []
 
     # ---- backward -------------------------------------------------------------------------
     def _register_pre_backward(self, output):
@@ -357,7 +413,12 @@ class FSDPState:
     def _final_callback(self) -> None:
         """End of backward (root only): reduce the rest, wait, set the sharded grads."""
         for s in self._states:
-            s._pending_post_backward = 0
+            if s.training_state is not TrainingState.IDLE:
+                # Its backward ran in this one. A group this backward did not reach keeps
+                # its count: its forward's graph still waits for a later backward (the
+                # chunked loss backpropagates each chunk through the head alone, then the
+                # trunk once).
+                s._pending_post_backward = 0
             # A group some of whose modules did not run (the chunked loss runs the head of
             # a [norm, head] group alone, once per chunk): the next forward starts afresh.
             s._forward_pending = set()
@@ -391,6 +452,12 @@ class FSDPState:
         self._reduce_order = []
 
 
+def _in_backward() -> bool:
+    """Whether the autograd engine is running a backward on this thread (a forward run
+    now is activation checkpointing's rerun)."""
+    return torch._C._current_graph_task_id() != -1
+
+
 def _any_rank_got_grad(pending: list[ParamGroup]) -> list[bool]:
     """Per parameter of ``pending``: did any rank's backward give it a gradient?
 
@@ -405,18 +472,39 @@ def _any_rank_got_grad(pending: list[ParamGroup]) -> list[bool]:
     they get no gradient either way.
     """
     local = [ref.got_grad or not ref.requires_grad for g in pending for ref in g.refs]
-    groups = [pending[0].process_group, pending[0].replicate_group]
-    if all(pg is None or dist.get_world_size(pg) == 1 for pg in groups):
+    # Buffers on different meshes (see [Note: a mesh per parameter] in _api.py) agree
+    # over their own ranks: one all-reduce per (shard group, replicate group), every
+    # rank issuing them in the same order (the groups' order).
+    spans: dict[tuple, list[tuple[int, int]]] = {}
+    at = 0
+    for b in (b for g in pending for b in _buffers(g)):
+        spans.setdefault((b.process_group, b.replicate_group), []).append((at, at + len(b.refs)))
+        at += len(b.refs)
+    if all(pg is None or dist.get_world_size(pg) == 1 for key in spans for pg in key):
         return local  # one rank: its own flags are the answer, no collective
     device, missing = pending[0].device, not all(local)
-    if missing:  # built from the host's list: a copy to the device, on this rare path only
-        flags = torch.tensor(local, dtype=torch.uint8, device=device)
-    else:
-        flags = torch.ones(len(local), dtype=torch.uint8, device=device)
-    for pg in groups:  # the shard dim, then (HSDP) the replicas: a gradient on any rank
-        if pg is not None and dist.get_world_size(pg) > 1:
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=pg)
-    return flags.bool().tolist() if missing else local
+    out = list(local)
+    for groups, where in spans.items():
+        mine = [x for a, b in where for x in local[a:b]]
+        if missing:  # built from the host's list: a copy to the device, on this rare path only
+            flags = torch.tensor(mine, dtype=torch.uint8, device=device)
+        else:
+            flags = torch.ones(len(mine), dtype=torch.uint8, device=device)
+        for pg in groups:  # the shard dim, then (HSDP) the replicas: a gradient on any rank
+            if pg is not None and dist.get_world_size(pg) > 1:
+                dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=pg)
+        if missing:
+            got = iter(flags.bool().tolist())
+            for a, b in where:
+                out[a:b] = [next(got) for _ in range(a, b)]
+    return out
+
+
+def _buffers(group) -> list:
+    """The ``ParamGroup``s of a group (a ``GroupSet``'s buffers), none for None."""
+    if group is None:
+        return []
+    return list(getattr(group, "groups", [group]))
 
 
 class _PostBackward(torch.autograd.Function):

@@ -65,6 +65,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPo
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from raggedfsdp._collectives import all_gather_single
+from raggedfsdp.fsdp._mesh import shard_mesh
 
 if TYPE_CHECKING:
     from raggedfsdp.fsdp._param_group import ParamGroup, ParamRef
@@ -222,7 +223,7 @@ class SubclassGather:
     def __init__(self, group: ParamGroup, originals):
         self.group = group
         mesh = group.mesh
-        self.shard_mesh = mesh if mesh.ndim == 1 else mesh[mesh.mesh_dim_names[-1]]
+        self.shard_mesh = shard_mesh(mesh)  # its last dim, named or not
         mp = group.mp_policy
         self.mp_policy = TorchMixedPrecisionPolicy(  # the class FSDP2 hands the hook
             param_dtype=mp.param_dtype,

@@ -17,8 +17,13 @@ blocks count local rows, and every collective of the group runs over ``dp`` alon
   its local tensor a view of the group's global storage; its ``.grad`` likewise a
   view of the global gradient storage (autograd accumulates into it in place, a
   Partial gradient of a tp-Replicate parameter all-reduced over tp on the way).
+- A ``Shard(d)`` that splits its dim unevenly (27 rows over 2 tp ranks: pieces of 14
+  and 13) is planned as each rank's own piece: the ranks of one tp coordinate share a
+  piece shape and so one layout, and the TP DTensor is rebuilt with its global shape
+  and stride given explicitly.
 
-The composed mesh is built from the existing process groups (no new group).
+The composed mesh is built from the ranks of both meshes, however they were made, over
+the existing process groups (no new group): see [Note: meshes as given] in ``_mesh.py``.
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+from raggedfsdp.fsdp._mesh import compose, dim_group_ranks, same_ranks_dim
 
 __all__ = ["TPSpec", "tp_spec_of"]
 
@@ -54,15 +61,16 @@ class TPSpec:
         return DTensor(local, self.spec(local.dtype), requires_grad=requires_grad)
 
 
-_COMPOSED: dict[tuple, DeviceMesh] = {}
-
-
 def tp_spec_of(fqn: str, param: torch.Tensor, dp_mesh: DeviceMesh) -> TPSpec | None:
     """The TP placement of ``param``, or None for a plain tensor.
 
+    The parameter's mesh and ``dp_mesh`` may be built in any way (see [Note: meshes as
+    given] in ``_mesh.py``); they are compared by their ranks, not their names. A
+    ``Shard(d)`` that splits its dim unevenly is taken: each rank plans its own TP piece.
+
     Raises:
-        ValueError: a DTensor on a mesh that is not a ``tp`` axis beside ``dp_mesh``
-            (another root mesh, an axis of ``dp_mesh`` itself, or no dim names).
+        ValueError: a DTensor on a mesh that runs along ``dp_mesh``'s ranks (one of its
+            dims, or overlapping them).
         NotImplementedError: a placement the composed placement cannot express.
     """
     if not isinstance(param, DTensor):
@@ -74,56 +82,25 @@ def tp_spec_of(fqn: str, param: torch.Tensor, dp_mesh: DeviceMesh) -> TPSpec | N
             f"{where} ({mesh.ndim}-D); FSDP x TP takes a parameter on one tp mesh axis: "
             "parallelize it on mesh['tp']"
         )
-    names, dp_names = mesh.mesh_dim_names, dp_mesh.mesh_dim_names
-    if not names or not dp_names:
+    same = same_ranks_dim(mesh, dp_mesh)
+    if same is not None:
         raise ValueError(
-            f"{where}: FSDP x TP needs named mesh dims; build the mesh with "
-            "init_device_mesh(..., mesh_dim_names=('dp', 'tp')) and pass mesh['dp'] to fully_shard"
-        )
-    if names[0] in dp_names:
-        raise ValueError(
-            f"{where}: its axis {names[0]!r} is one of the fully_shard mesh's dims {dp_names}; "
-            "a parameter already sharded over the data-parallel ranks cannot be sharded again"
-        )
-    root = mesh._get_root_mesh()
-    if dp_mesh._get_root_mesh() != root:
-        raise ValueError(
-            f"{where}, which is not part of the fully_shard mesh {dp_mesh}'s device mesh; "
-            "slice both from one init_device_mesh(...) (mesh['dp'] and mesh['tp'])"
+            f"{where}, over ranks {dim_group_ranks(mesh, 0)}: its axis is one of the "
+            f"fully_shard mesh's dims (dim {same} of {dp_mesh}); a parameter already sharded "
+            "over the data-parallel ranks cannot be sharded again"
         )
     placements = tuple(param.placements)
     for p in placements:
-        if type(p) is Shard:
-            n = mesh.size(0)
-            if param.shape[p.dim] % n:
-                raise NotImplementedError(
-                    f"{where} placed {p}: dim {p.dim} of shape {tuple(param.shape)} does not "
-                    f"split evenly over {n} tp ranks, and RaggedShard composes with an even "
-                    "Shard only (ranks would hold TP pieces of different shapes); pad the dim "
-                    "or choose a tp size that divides it"
-                )
-        elif not isinstance(p, Replicate):
+        if type(p) is not Shard and not isinstance(p, Replicate):
             raise NotImplementedError(
                 f"{where} placed {p}; FSDP x TP composes RaggedShard with Shard(d) or "
                 "Replicate() on tp (not Partial or strided placements)"
             )
-    return TPSpec(
-        mesh, placements, param.shape, tuple(param.stride()), _composed_mesh(mesh, dp_mesh)
-    )
-
-
-def _composed_mesh(tp_mesh: DeviceMesh, dp_mesh: DeviceMesh) -> DeviceMesh:
-    """The ``(tp, *dp dims)`` mesh of this rank, over the existing process groups."""
-    root = tp_mesh._get_root_mesh()
-    names = (*tp_mesh.mesh_dim_names, *dp_mesh.mesh_dim_names)
-    in_root = [n for n in root.mesh_dim_names if n in names]  # root order
-    sub = root[tuple(in_root)] if len(in_root) < root.ndim else root
-    order = [in_root.index(n) for n in names]
-    ranks = sub.mesh.permute(order).contiguous()
-    key = (names, tuple(ranks.flatten().tolist()), tp_mesh.device_type)
-    if key not in _COMPOSED:
-        groups = [tp_mesh.get_group(0)] + [dp_mesh.get_group(i) for i in range(dp_mesh.ndim)]
-        _COMPOSED[key] = DeviceMesh.from_group(
-            groups, tp_mesh.device_type, mesh=ranks, mesh_dim_names=names
-        )
-    return _COMPOSED[key]
+    try:
+        composed = compose(mesh, dp_mesh)
+    except ValueError as e:
+        raise ValueError(
+            f"{where}, which overlaps the fully_shard mesh {dp_mesh} ({e}); parallelize it on "
+            "a mesh of other ranks than the data-parallel ones"
+        ) from None
+    return TPSpec(mesh, placements, param.shape, tuple(param.stride()), composed)

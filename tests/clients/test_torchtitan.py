@@ -51,6 +51,21 @@ backends alike and none knows about raggedfsdp:
    the same model unsharded, runs ``init_weights`` with the run's seed, and copies each
    full tensor into the sharded parameter (``distribute_tensor`` to the parameter's own
    mesh and placements, then its local tensor), checked by ``full_tensor()``.
+7. **Float8 all-gather** (``float8_fsdp_all_gather`` only). torchtitan 0.3.0 has no
+   command-line option for float8 at all: its ``Float8LinearConverter`` is chosen by a
+   config-registry function (``llama3_debugmodel_float8``: ``emulate=False``, which refuses
+   a machine without SM89: "set `float8.emulate` to True in eager mode"), and with
+   ``emulate=True`` it builds torchao's ``Float8LinearConfig(emulate=True)``, whose
+   ``enable_fsdp_float8_all_gather`` is off; nor does it ever call
+   ``precompute_float8_dynamic_scale_for_fsdp``. Its ``Float8Linear`` is built by
+   ``__init__``, not torchao's ``from_float``, so nothing would wrap the weights in
+   ``WeightWithDynamicFloat8CastTensor`` even with the flag on. So this file has its own
+   registry function, ``llama3_debugmodel_float8_emulate_fsdp_all_gather`` (selected by
+   ``--module tests.clients.test_torchtitan``, torchtitan's fully qualified form): the
+   debug model through torchtitan's ``Float8LinearConverter(emulate=True)``, each converted
+   linear then given ``Float8LinearConfig(emulate=True, enable_fsdp_float8_all_gather=True)``;
+   and the shim wraps ``Float8Linear.__init__`` to wrap the weight as ``from_float`` does
+   when that flag is on. Without the flag (every other configuration) it does nothing.
 
 Not shims, but torchtitan's own options or inputs: ``--parallelism.spmd_backend
 partial_dtensor`` (the default ``spmd_types`` passes ``dp_mesh_dims`` with parameters
@@ -67,10 +82,18 @@ kernels; nothing calls them on the CPU).
 
 The losses must agree within ``TOL`` and the gradient norms torchtitan logs within
 ``GRAD_NORM_RTOL`` (their sums over shards run in another order).
+
+Under ``float8_fsdp_all_gather`` each rank also counts, for each backend alike, the calls
+of torchao's ``WeightWithDynamicFloat8CastTensor.fsdp_pre_all_gather`` /
+``fsdp_post_all_gather`` and the bytes of the all-gathered inputs that
+``fsdp_post_all_gather`` receives, against the fp32 bytes of the same weights: under
+either backend the hooks must run (each pre-all-gather once followed by its post) and the
+gathered codes must be a quarter of fp32's bytes.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import os
@@ -266,6 +289,81 @@ def _apply_cpu_shims() -> None:
     tt_dist_utils.set_pg_timeouts = set_pg_timeouts
 
 
+def _apply_float8_all_gather_shim() -> None:
+    """Shim 7: torchtitan's ``Float8Linear`` wraps its weight as torchao's ``from_float``
+    does when its config has ``enable_fsdp_float8_all_gather`` (only this file's float8
+    registry function sets it)."""
+    import torch
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+    from torchtitan.components.quantization import Float8Linear
+
+    init = Float8Linear.__init__
+    if getattr(init, "_float8_shim", False):
+        return
+
+    def __init__(self, config):
+        init(self, config)
+        if self.config.enable_fsdp_float8_all_gather:
+            weight = WeightWithDynamicFloat8CastTensor(
+                self.weight, self.linear_mm_config, self.config.cast_config_weight.target_dtype
+            )
+            self.weight = torch.nn.Parameter(weight, requires_grad=self.weight.requires_grad)
+
+    __init__._float8_shim = True
+    Float8Linear.__init__ = __init__
+
+
+def llama3_debugmodel_float8_emulate_fsdp_all_gather():
+    """torchtitan's ``llama3_debugmodel_float8`` with ``emulate=True`` and torchao's FSDP
+    float8 all-gather on (``--module tests.clients.test_torchtitan --config`` this)."""
+    from torchao.float8 import Float8LinearConfig
+    from torchtitan.components.quantization import Float8Linear, Float8LinearConverter
+    from torchtitan.models.llama3 import model_registry
+    from torchtitan.models.llama3.config_registry import llama3_debugmodel
+
+    config = llama3_debugmodel()
+    converter = Float8LinearConverter.Config(emulate=True, model_compile_enabled=False)
+    config.model_spec = model_registry("debugmodel", converters=[converter])
+    torchao_config = Float8LinearConfig(emulate=True, enable_fsdp_float8_all_gather=True)
+    converted = list(config.model_spec.model.traverse(Float8Linear.Config))
+    assert converted, "no linear was converted to float8"
+    for _, linear, _, _ in converted:
+        linear._torchao_config = torchao_config
+    return config
+
+
+def _count_float8_hooks() -> dict:
+    """Count torchao's two FSDP hooks (the class methods, wrapped once in this process).
+
+    Returns:
+        the live counts: ``pre`` and ``post`` calls, ``gathered`` (bytes of the all-gather
+        outputs ``fsdp_post_all_gather`` receives) and ``fp32`` (the same weights' bytes
+        in their own dtype, fp32).
+    """
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor as W
+
+    if not hasattr(W, "_counts"):
+        W._counts = dict(pre=0, post=0, gathered=0, fp32=0)
+        pre, post = W.fsdp_pre_all_gather, W.fsdp_post_all_gather
+
+        # functools.wraps: FSDP2 and raggedfsdp read the hooks' signatures (via __wrapped__)
+        @functools.wraps(pre)
+        def fsdp_pre_all_gather(self, *args, **kwargs):
+            W._counts["pre"] += 1
+            return pre(self, *args, **kwargs)
+
+        @functools.wraps(post)
+        def fsdp_post_all_gather(self, all_gather_outputs, *args, **kwargs):
+            W._counts["post"] += 1
+            for t in all_gather_outputs:
+                W._counts["gathered"] += t.numel() * t.element_size()
+                W._counts["fp32"] += t.numel() * self._tensor.element_size()
+            return post(self, all_gather_outputs, *args, **kwargs)
+
+        W.fsdp_pre_all_gather, W.fsdp_post_all_gather = fsdp_pre_all_gather, fsdp_post_all_gather
+    return W._counts
+
+
 def _same_initial_weights(trainer, seed: int) -> None:
     """Shim 6: overwrite the sharded parameters with an unsharded ``init_weights``."""
     import torch
@@ -329,7 +427,8 @@ def _run_both(
     backends: tuple[str, ...] = ("fsdp2", "raggedfsdp"),
 ) -> None:  # fmt: skip
     """Every run in ``argvs`` with FSDP2, then again with raggedfsdp; rank 0 writes
-    ``{"fsdp2": [...], "raggedfsdp": [...]}`` (one list of logged steps per run) to ``out``."""
+    ``{"fsdp2": [...], "raggedfsdp": [...]}`` (one list of logged steps per run) to ``out``,
+    with ``"float8_hooks": {backend: counts}`` (``_count_float8_hooks``, rank 0's)."""
     os.environ.update(
         LOCAL_RANK=str(rank),
         RANK=str(rank),
@@ -340,11 +439,14 @@ def _run_both(
         TOKENIZERS_PARALLELISM="false",
     )
     _apply_cpu_shims()
+    _apply_float8_all_gather_shim()
+    counts = _count_float8_hooks()
     import torchtitan.distributed.fsdp as tt_fsdp
 
-    results = {}
+    results = {"float8_hooks": {}}
     torch_fully_shard = tt_fsdp.fully_shard
     for backend in backends:
+        counts.update(pre=0, post=0, gathered=0, fp32=0)
         if backend == "raggedfsdp":
             import raggedfsdp
 
@@ -354,6 +456,7 @@ def _run_both(
             results[backend] = [_train_once(["--dump_folder", dump, *a], seed) for a in argvs]
         finally:
             tt_fsdp.fully_shard = torch_fully_shard
+        results["float8_hooks"][backend] = dict(counts)
         if rank == 0:
             with open(out, "w") as f:
                 json.dump(results, f)
@@ -385,6 +488,11 @@ def _argv(tok: Path, data: Path, *extra: str) -> list[str]:
 
 FP32 = ["--training.mixed_precision_param", "float32"]
 CKPT = [*FP32, "--checkpoint.enable", "--checkpoint.interval", "3"]
+# this file's registry function (shim 7); torchtitan's parser keeps the last --module/--config
+FLOAT8 = [
+    "--module", "tests.clients.test_torchtitan",
+    "--config", "llama3_debugmodel_float8_emulate_fsdp_all_gather",
+]  # fmt: skip
 
 # name -> the extra arguments of each run, in order (one spawn, the same dump folder)
 CONFIGS: dict[str, list[list[str]]] = {
@@ -396,6 +504,8 @@ CONFIGS: dict[str, list[list[str]]] = {
     # CheckpointManager: save at steps 3 and 6, then a second run loads step 3 and
     # trains steps 4-6 again
     "checkpoint_save_then_resume": [CKPT, [*CKPT, "--checkpoint.load_step", "3"]],
+    # torchao float8 training, emulated, with FSDP float8 all-gather (shim 7)
+    "float8_fsdp_all_gather": [[*FP32, *FLOAT8]],
 }
 
 
@@ -427,6 +537,7 @@ def test_losses_equal_fsdp2(name, assets, tmp_path):
     argvs = [_argv(*assets, *extra) for extra in CONFIGS[name]]
     spawn(WORLD, _run_both, str(tmp_path), argvs, SEED, str(out), timeout=TIMEOUT)
     results = json.loads(out.read_text())
+    hooks = results.pop("float8_hooks")
     assert [s for s, _, _ in results["fsdp2"][0]] == list(range(1, STEPS + 1))
     if len(argvs) == 2:  # resumed: steps 4-6 again, as the uninterrupted run had them
         for backend, (full, resumed) in results.items():
@@ -434,3 +545,10 @@ def test_losses_equal_fsdp2(name, assets, tmp_path):
             worst = max(abs(a[1] - b[1]) for a, b in zip(resumed, full[3:]))
             assert worst <= TOL, f"{backend}: resumed losses differ by {worst:.3g}"
     _compare(results)
+    if name == "float8_fsdp_all_gather":  # torchao's hooks ran, gathering 1-byte codes
+        for backend, count in hooks.items():
+            assert count["pre"] == count["post"] > 0, (backend, count)
+            assert 4 * count["gathered"] == count["fp32"], (backend, count)
+        # no more gathers than FSDP2 (a chunk's backward prefetches no block for the
+        # trunk's; FSDP2 wastes one such prefetch a step)
+        assert hooks["raggedfsdp"]["pre"] <= hooks["fsdp2"]["pre"], hooks

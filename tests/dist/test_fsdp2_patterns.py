@@ -64,9 +64,12 @@ class _MLP(nn.Module):
         if frozen_bf16:  # a frozen bf16 layer beside trained fp32 ones, in one group
             self.l2.to(torch.bfloat16).requires_grad_(False)
         self.one_group = tied or frozen_bf16
+        self.frozen_bf16 = frozen_bf16
 
     def _l2(self, h):
-        return torch.tanh(self.l2(h.to(self.l2.weight.dtype)).to(h.dtype))
+        if self.frozen_bf16:
+            return torch.tanh(self.l2(h.to(torch.bfloat16)).to(h.dtype))
+        return torch.tanh(self.l2(h))
 
     def forward(self, x):
         h = torch.tanh(self.l1(x))
@@ -397,3 +400,25 @@ def _one_rank(rank, world):
 
 def test_one_rank_issues_no_collective():
     spawn(1, _one_rank)
+
+
+# ---- collectives per step ----------------------------------------------------------------------
+def _gathers_per_step(rank, world):
+    """Activation checkpointing around an FSDP module reruns its forward in backward: as
+    FSDP2, the rerun must neither reshard nor gather again (the backward's gathers are
+    the pre-backward ones), so both gather as often."""
+    mesh = init_device_mesh("cpu", (world,))
+    counts = []
+    for fully_shard in (torch_fsdp.fully_shard, raggedfsdp.fully_shard):
+        model = _shard(fully_shard, _MLP(checkpointed=True), mesh)
+        xs = _data(rank, steps=3)
+        model(xs[0]).square().mean().backward()  # the first step records the order
+        with CommCounter() as comms:
+            for x in xs[1:]:
+                model(x).square().mean().backward()
+        counts.append(comms.summary()["all_gather"].count)
+    assert counts[1] == counts[0], f"all-gathers: raggedfsdp {counts[1]}, FSDP2 {counts[0]}"
+
+
+def test_checkpointed_module_gathers_as_fsdp2():
+    spawn(2, _gathers_per_step)
