@@ -77,7 +77,8 @@ def fully_shard(
             backward needs first (an explicit True reshards the root too).
         shard_placement_fn: FSDP2's per-parameter placement: ``None`` or ``Shard(0)``
             for a parameter is what RaggedShard does (dim-0 rows, whole blocks);
-            ``Shard(d)`` for ``d > 0`` is refused (NotImplementedError). torch's
+            ``Shard(d)`` for ``d > 0`` is laid out as dim-0 rows too, with FSDP2's numbers
+            (see [Note: Shard(d) placements]). torch's
             ``ShardPlacementResult(placement, mesh_info)`` also gives the parameter its
             own data-parallel mesh (experts over an expert-data-parallel mesh): such
             parameters lie in buffers of their own mesh, see [Note: a mesh per
@@ -341,13 +342,26 @@ def _check_placement(fqn: str, param: nn.Parameter, placement) -> None:
             f"fully_shard: shard_placement_fn gives parameter {fqn!r} {placement!r}; expected "
             "None or Shard(dim) (RaggedShard cuts dim 0: return None or Shard(0))"
         )
-    if placement is None or placement.dim in (0, -param.dim()):  # Shard(-ndim) is Shard(0)
-        return
-    raise NotImplementedError(
-        f"fully_shard: shard_placement_fn gives parameter {fqn!r} {placement!r}; RaggedShard "
-        "cuts dim 0 (whole rows, in blocks of block_policy rows): return None or Shard(0), "
-        "and use block_policy for the granularity"
+    if placement is None or -param.dim() <= placement.dim < param.dim():
+        return  # Shard(d > 0) is laid out as dim-0 rows: see [Note: Shard(d) placements]
+    raise ValueError(
+        f"fully_shard: shard_placement_fn gives parameter {fqn!r} {placement!r}, but it has "
+        f"{param.dim()} dims; return None or Shard(d) with -{param.dim()} <= d < {param.dim()}"
     )
+
+
+# [Note: Shard(d) placements]
+# FSDP2 cuts a parameter on the dim ``shard_placement_fn`` names; RaggedShard always cuts
+# dim-0 rows in whole blocks, and a ``Shard(d)`` for ``d > 0`` is accepted and laid out
+# the same way. The numbers do not depend on where a shard is cut (every rank reduces and
+# updates its own elements of each parameter), so training gives FSDP2's losses and
+# parameters. What FSDP2 uses ``Shard(1)`` for, a parameter whose dim 0 is smaller than
+# the mesh (torchtitan's experts when there are more data-parallel ranks than experts,
+# where dim-0 chunks would leave ranks empty and pad them), costs nothing here: the
+# planner balances the whole group's rows over the ranks (a stacked 3-D parameter's rows
+# are its (member, row) pairs), within its padding bound. What differs: the sharded
+# parameter's placement is RaggedShard, so its local tensor holds whole rows, not a
+# range of dim d (as every raggedfsdp parameter's placement differs from FSDP2's).
 
 
 def _collect_params(

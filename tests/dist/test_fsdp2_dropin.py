@@ -270,8 +270,8 @@ def _check_reset_iter_state(rank, world):
 
 def _check_refusals(rank, world):
     mesh = init_device_mesh("cpu", (world,))
-    with pytest.raises(NotImplementedError, match=r"shard_placement_fn gives parameter 'weight'"):
-        raggedfsdp.fully_shard(nn.Linear(4, 4), mesh=mesh, shard_placement_fn=lambda p: Shard(1))
+    with pytest.raises(ValueError, match=r"shard_placement_fn gives parameter 'weight'"):
+        raggedfsdp.fully_shard(nn.Linear(4, 4), mesh=mesh, shard_placement_fn=lambda p: Shard(2))
     with pytest.raises(NotImplementedError, match="dp_mesh_dims is not supported"):
         raggedfsdp.fully_shard(nn.Linear(4, 4), mesh=mesh, dp_mesh_dims=object())
     with pytest.raises(ValueError, match="mp_policy must be a MixedPrecisionPolicy"):

@@ -422,3 +422,32 @@ def _gathers_per_step(rank, world):
 
 def test_checkpointed_module_gathers_as_fsdp2():
     spawn(2, _gathers_per_step)
+
+
+# ---- Shard(d > 0) ------------------------------------------------------------------------------
+def _shard_dims(rank, world):
+    """``shard_placement_fn`` returning ``Shard(1)`` / ``Shard(-1)``: FSDP2 cuts that dim,
+    raggedfsdp lays every parameter out as dim-0 rows; the numbers are the same (each rank
+    reduces and updates its own elements wherever the cut lies)."""
+    from torch.distributed.tensor import Shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    for dim in (1, -1):
+
+        def place(p, dim=dim):
+            return Shard(dim) if p.dim() == 2 else Shard(0)
+
+        results = []
+        for fully_shard in (torch_fsdp.fully_shard, raggedfsdp.fully_shard):
+            model = _shard(fully_shard, _MLP(), mesh, shard_placement_fn=place)
+            opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+            for x in _data(rank, steps=3):
+                model(x).square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+            results.append(_params(model))
+        _equal(results[1], results[0], f"Shard({dim})")
+
+
+def test_shard_on_other_dims_equals_fsdp2():
+    spawn(2, _shard_dims)
