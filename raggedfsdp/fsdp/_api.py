@@ -23,6 +23,7 @@ from raggedfsdp.fsdp._param_group import ParamGroup, ParamRef, ShardedState, gro
 from raggedfsdp.fsdp._policy import BlockPolicy, BlockRows, MixedPrecisionPolicy
 from raggedfsdp.fsdp._state import FSDPState, resolve_reshard_after_forward, state_of
 from raggedfsdp.fsdp._subclass import subclass_params
+from raggedfsdp.fsdp._torch_state import register_torch_state
 from raggedfsdp.planner import (
     DEFAULT_ALIGNMENT_BYTES,
     DEFAULT_MAX_BUFFERS,
@@ -239,9 +240,10 @@ def fully_shard(
         group = GroupSet([g for part in parts for g in getattr(part, "groups", [part])], name)
     for ref, p in zip(refs, originals):
         setattr(p, _MOVED_ATTR, (name, ref.fqn))
-    FSDPState(modules, group, mesh, mp_policy, reshard_after_forward)
+    state = FSDPState(modules, group, mesh, mp_policy, reshard_after_forward)
     for m in modules:
         m.__class__ = _fsdp_class(m.__class__)
+        register_torch_state(m, state)  # see [Note: FSDP2's state, as torch reads it]
         if group is not None:  # see [Note: assigned parameters] in _param_group.py
             where = {"prefix": ""}  # the module's prefix in the state dict being loaded
             one = len(modules) == 1  # a list's parameters are named by position, not prefix

@@ -127,6 +127,15 @@ class GroupSet:
             g.post_backward(reshard=reshard)
 
     @property
+    def holds_unreduced_grads(self) -> bool:
+        return any(g.holds_unreduced_grads for g in self.groups)
+
+    def reduce_held_grads(self, reshard: bool) -> None:
+        for g in self.groups:
+            if g.holds_unreduced_grads:
+                g.reduce_held_grads(reshard=reshard)
+
+    @property
     def reduce_pending(self) -> bool:
         return any(g.reduce_pending for g in self.groups)
 

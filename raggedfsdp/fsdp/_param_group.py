@@ -832,6 +832,19 @@ class ParamGroup:
             work, output, direct, inp, earlier.output if earlier is not None else None
         )
 
+    @property
+    def holds_unreduced_grads(self) -> bool:
+        """Gradients accumulated without sync wait for a reduce-scatter."""
+        return not self.needs_post_backward and (
+            self.dbuf.global_grads.allocated or self._accumulated is not None
+        )
+
+    def reduce_held_grads(self, reshard: bool) -> None:
+        """``post_backward`` outside a backward, for gradients accumulated without sync
+        (``FSDPState.reduce_held_grads``)."""
+        self.needs_post_backward = True
+        self.post_backward(reshard=reshard)
+
     def _reduce_op(self):
         """AVG, unless a divide factor or force-sum asks for SUM (divided in finalize)."""
         avg = self.gradient_divide_factor is None and not self.force_sum_reduction

@@ -402,6 +402,18 @@ class FSDPState:
                 self.group.post_backward(reshard=self.reshard_after_backward)
                 self.root._reduce_order.append(self)
 
+    def reduce_held_grads(self) -> None:
+        """Start the reduce-scatter of gradients this group's backwards accumulated
+        without sync, outside a backward (a pipeline schedule's end of step: see [Note:
+        FSDP2's state, as torch reads it]); the root's ``_final_callback`` then waits
+        for it and sets the sharded gradients. Nothing when no gradient is held."""
+        if self.group is None or not self.group.holds_unreduced_grads:
+            return
+        root = self.root or self
+        root._wait_earlier_reduces(self)
+        self.group.reduce_held_grads(reshard=self.reshard_after_backward)
+        root._reduce_order.append(self)
+
     def _wait_earlier_reduces(self, starting: FSDPState) -> None:
         """Keep at most ``max_reduces_in_flight`` (of the group about to reduce) reduce-
         scatters in flight: finish the oldest and free their unsharded gradients, so a

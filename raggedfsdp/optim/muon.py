@@ -756,4 +756,16 @@ def _check_muon_param(p: Tensor, fallback: str, distributed: str) -> None:
             f"{where}: a tensor-parallel matrix, which distributed='replicated' (the "
             "baseline) does not gather across tp; use distributed='root'"
         )
+    cut = _cut_of(p) if cuts else None
+    if cut is not None and cut.tp_axis is not None:
+        dim = placements[cut.tp_axis].dim
+        if p.shape[dim] % cut.tp_size:
+            # The tp stage exchanges equal pieces, and each tp rank plans its own piece's
+            # rows over the shard dim: uneven pieces would give the tp ranks other plans.
+            raise NotImplementedError(
+                f"{where}: its dim {dim} of size {p.shape[dim]} is cut unevenly over "
+                f"{cut.tp_size} tensor-parallel ranks; Muon gathers a matrix across tp from "
+                "equal pieces: pad the layer to a multiple of the tp size, or step it with "
+                "the AdamW part (use_muon=False)"
+            )
     piece.rs.validate_for(piece.shape, mesh.size(piece.axis))

@@ -239,6 +239,10 @@ def _accumulate_no_sync(model, rank):
     return {"grads": _grads(model)}
 
 
+def _pipeline_reduce_grad_ref(model, rank):
+    return _pipeline_reduce_grad(model, rank)  # defined below, with the pipelining notes
+
+
 def _pipeline_microbatches(model, rank):
     """What torch.distributed.pipelining does around each microbatch's backward: all
     but the last without gradient sync, without reshard, and not the last backward."""
@@ -262,6 +266,7 @@ def _not_last_backward_with_sync(model, rank):
 
 
 PATTERNS = {
+    "torch.distributed.pipelining's perform_reduce_grad": (_pipeline_reduce_grad_ref, {}),
     "pipeline microbatches (set_is_last_backward)": (_pipeline_microbatches, {}),
     "set_is_last_backward(False) with sync": (_not_last_backward_with_sync, {}),
     "create_graph": (_create_graph, {}),
@@ -451,3 +456,24 @@ def _shard_dims(rank, world):
 
 def test_shard_on_other_dims_equals_fsdp2():
     spawn(2, _shard_dims)
+
+
+# ---- torch.distributed.pipelining's end of step ------------------------------------------------
+def _pipeline_reduce_grad(model, rank):
+    """What ``PipelineStage.perform_reduce_grad`` (torch 2.13) does after a stage's
+    microbatches ran backward without sync: reach FSDP2's state through
+    ``fully_shard.state(module)``, reduce each group, run the root's final callback."""
+    for x in _data(rank, steps=3):
+        model.set_is_last_backward(False)
+        model.set_reshard_after_backward(False)
+        model.set_requires_gradient_sync(False)
+        model(x).square().mean().backward()
+    model.set_is_last_backward(True)
+    model.set_reshard_after_backward(True)
+    model.set_requires_gradient_sync(True)
+    state = torch_fsdp.fully_shard.state(model)
+    for s in state._state_ctx.all_states:
+        for group in s._fsdp_param_groups:
+            group.post_backward()
+    state._root_post_backward_final_callback()
+    return {"grads": _grads(model)}

@@ -1,0 +1,79 @@
+"""What torch code that reads FSDP2's own state finds on a raggedfsdp module.
+
+[Note: FSDP2's state, as torch reads it]
+``torch.distributed.pipelining`` ends a pipeline step by reaching into FSDP2's state
+through ``torch.distributed.fsdp.fully_shard.state(module)`` (torch 2.13's
+``_PipelineStageBase.perform_reduce_grad``): for every state of the model,
+``post_backward()`` on each of its ``_fsdp_param_groups`` (reduce the gradients its
+microbatches accumulated without sync), then the root's
+``_root_post_backward_final_callback()`` (wait, set the sharded gradients). A
+raggedfsdp module registers a ``TorchStateView`` under the key torch reads, which
+answers exactly those calls with raggedfsdp's own: ``FSDPState.reduce_held_grads`` and
+``FSDPState._final_callback``. Anything else read through it raises AttributeError,
+naming the attribute, as a missing attribute of FSDP2's state would.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+import torch.distributed.fsdp as torch_fsdp
+from torch import nn
+
+if TYPE_CHECKING:
+    from raggedfsdp.fsdp._state import FSDPState
+
+__all__ = ["TorchStateView", "register_torch_state"]
+
+
+class TorchStateView:
+    """A raggedfsdp ``FSDPState`` as ``fully_shard.state(module)`` callers read FSDP2's."""
+
+    def __init__(self, state: FSDPState):
+        self._state = state
+
+    @property
+    def _state_ctx(self) -> _StateContext:
+        return _StateContext(self._state)
+
+    @property
+    def _fsdp_param_groups(self) -> list[_ParamGroupView]:
+        return [] if self._state.group is None else [_ParamGroupView(self._state)]
+
+    def _root_post_backward_final_callback(self) -> None:
+        (self._state.root or self._state)._final_callback()
+
+
+class _StateContext:
+    def __init__(self, state: FSDPState):
+        self._state = state
+
+    @property
+    def all_states(self) -> list[TorchStateView]:
+        root = self._state.root or self._state
+        return [TorchStateView(s) for s in (root._states or [root])]
+
+
+class _ParamGroupView:
+    def __init__(self, state: FSDPState):
+        self._state = state
+
+    def post_backward(self) -> None:
+        self._state.reduce_held_grads()
+
+
+def _contract_key():
+    """The key torch's ``fully_shard.state`` looks a module's state up by, or None."""
+    func = getattr(torch_fsdp.fully_shard, "__wrapped__", None)
+    contract = importlib.import_module("torch.distributed._composable.contract")
+    state_key = getattr(contract, "STATE_KEY", None)
+    return None if func is None or state_key is None else (state_key, func)
+
+
+def register_torch_state(module: nn.Module, state: FSDPState) -> None:
+    """Make ``torch.distributed.fsdp.fully_shard.state(module)`` answer ``state``."""
+    key = _contract_key()
+    if key is not None:
+        state_key, func = key
+        module.__dict__.setdefault(state_key, {})[func] = TorchStateView(state)
