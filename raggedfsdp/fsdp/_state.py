@@ -374,10 +374,11 @@ class FSDPState:
         ):
             return "a global module backward hook (register_module_full_backward_hook)"
         for top in self.modules:
-            for name, m in top.named_modules():
-                if may_read_parameters(
+            for m in top.modules():  # every backward: no names built unless one is found
+                if (m._backward_hooks or m._backward_pre_hooks) and may_read_parameters(
                     [*m._backward_hooks.values(), *m._backward_pre_hooks.values()]
                 ):
+                    name = next(n for n, sub in top.named_modules() if sub is m)
                     where = f"{type(top).__name__}.{name}" if name else type(m).__name__
                     return f"a backward hook on module {where}"
         return None
