@@ -10,6 +10,7 @@ gradient norms), or because it is one of torch's own read-only tools listed here
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable
 from typing import TypeVar
 
@@ -35,7 +36,16 @@ def reads_no_parameters(hook: H) -> H:
 
         w.register_hook(reads_no_parameters(lambda g: g.clamp(-1, 1)))
     """
-    setattr(hook, _MARK, True)
+    try:
+        setattr(hook, _MARK, True)
+    except AttributeError:  # a bound method or a builtin: mark a wrapper of it
+        original = hook
+
+        @functools.wraps(original)
+        def hook(*args, **kwargs):
+            return original(*args, **kwargs)
+
+        setattr(hook, _MARK, True)
     return hook
 
 
