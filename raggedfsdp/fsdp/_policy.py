@@ -65,18 +65,21 @@ class BlockPolicy:
     """How many rows form a block, the unit a shard boundary never splits.
 
     A row is one row of the parameter seen as ``[numel / last_dim, last_dim]``; for
-    a stacked ``[E, out, in]`` tensor, a row of one member. A block policy (this class
+    a stacked ``[E, out, in]`` tensor, a row of one member; for a 1-D parameter (a
+    bias, a norm weight), one element. A block policy (this class
     or any ``(fqn, param) -> rows``) is called with the parameter as the module holds
     it: under FSDP x TP the TP DTensor, whose rows are counted in its local tensor
     (what the RaggedShard cuts; see [Note: FSDP x TP] in ``_tp.py``).
 
     Args:
         rows: rows per block for every parameter: a positive int, or ``"whole"``
-            (the whole tensor; for a stack, each whole member). Default 1.
-        overrides: per-FQN rows, matched by suffix (``{"experts.w1": "whole"}``).
-            Default none.
-        whole_if_fewer_rows: a parameter with fewer rows than ``rows`` is kept whole
-            instead of raising. Default True (norm weights and biases have one row).
+            (the whole tensor; for a stack, each whole member). Default 1. An int
+            counts matrix rows, so it leaves 1-D parameters cut between elements
+            (as FSDP2 cuts them); ``"whole"`` keeps them whole too.
+        overrides: per-FQN rows, matched by suffix (``{"experts.w1": "whole"}``);
+            for a 1-D parameter, elements (``{"output.bias": "whole"}``). Default none.
+        whole_if_fewer_rows: a parameter with fewer rows than its block is kept
+            whole instead of raising. Default True.
     """
 
     rows: BlockRows = 1
@@ -90,7 +93,7 @@ class BlockPolicy:
             _check_rows(value, f"BlockPolicy {where!r}")
 
     def __call__(self, fqn: str, param: nn.Parameter) -> BlockRows:
-        rows = self.rows
+        rows = 1 if param.dim() == 1 and self.rows != WHOLE else self.rows
         for suffix, value in self.overrides:
             if fqn == suffix or fqn.endswith("." + suffix):
                 rows = value
@@ -109,12 +112,13 @@ def _check_rows(value, where: str) -> None:
 
 
 def param_rows(param: torch.Tensor) -> int:
-    """Rows of ``param`` seen as ``[numel / last_dim, last_dim]`` (members' rows for stacks);
-    of its local tensor for a DTensor (the TP piece that fully_shard cuts)."""
+    """Rows of ``param`` seen as ``[numel / last_dim, last_dim]`` (members' rows for stacks;
+    elements for a 1-D tensor); of its local tensor for a DTensor (the TP piece that
+    fully_shard cuts)."""
     if isinstance(param, DTensor):
         param = param.to_local()
     if param.dim() <= 1:
-        return 1
+        return param.numel()
     return param.numel() // param.shape[-1]
 
 

@@ -156,13 +156,13 @@ class AdamW8bitBlockPolicy:
         _check_sizes("AdamW8bitBlockPolicy", self.block_size, self.min_8bit_size)
 
     def __call__(self, fqn: str, param: torch.Tensor):
-        if len(param.shape) <= 1 or not is_8bit_eligible(
+        if len(param.shape) == 0 or not is_8bit_eligible(
             tuple(param.shape), self.block_size, self.min_8bit_size
         ):
-            return 1  # a 1-D tensor is one row, always whole; fp32 moments need no alignment
+            return 1  # fp32 moments need no alignment
         # eligibility from the global shape, rows from the local tensor the RaggedShard cuts
         shape = tuple((param.to_local() if isinstance(param, DTensor) else param).shape)
-        row = shape[-1]
+        row = shape[-1] if len(shape) >= 2 else 1  # a 1-D tensor's rows are its elements
         member_rows = math.prod(shape) // row // _members(shape)
         rows = self.block_size // math.gcd(self.block_size, row)
         if member_rows % rows == 0:

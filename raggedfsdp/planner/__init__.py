@@ -6,15 +6,17 @@ and an alignment, it returns a ``BufferLayout``: a shard size ``S`` and an offse
 per tensor in a global buffer of ``m * S`` elements, rank ``k`` owning
 ``[k * S, (k + 1) * S)``, such that
 
-1. no shard boundary ``k * S`` splits a block (a block = ``block_rows`` whole rows);
+1. no shard boundary ``k * S`` splits a block (a block = ``block_rows`` whole rows; a
+   1-D tensor's rows are its elements, see [Note: 1-D tensors]);
 2. every tensor is contiguous, padding sits only between tensors;
 3. every rank holds exactly ``S`` elements (symmetric collectives);
 4. ``S`` and every offset are multiples of the alignment;
 5. ``S`` is as small as the search can find, and never below ``lower_bound``.
 
 Five ranks, four tensors (``A``: 6x4, blocks of one row = 4 elements; ``B``: 5
-elements, one block; ``C``: 3x2, blocks of one row = 2 elements; ``D``: 3 elements,
-one block), alignment 1. Each rank holds ``S = 8`` elements, ``.`` is padding::
+elements, one block (``block_rows="whole"``; a 1-D tensor is otherwise cut between
+elements); ``C``: 3x2, blocks of one row = 2 elements; ``D``: 3 elements, one block),
+alignment 1. Each rank holds ``S = 8`` elements, ``.`` is padding::
 
     offset   0       8       16      24      32      40
     buffer   AAAAAAAAAAAAAAAAAAAAAAAABBBBB.CCCCCCDDD.
@@ -42,6 +44,20 @@ bisection; at each size several tensor orders are tried (module order, by size, 
 block, reversed, seeded shuffles) and the first that fits is kept. The exact
 problem is NP-hard (PARTITION is the case ``m = 2`` with one-block tensors);
 ``plan_exact`` solves small instances with HiGHS for reference.
+
+[Note: 1-D tensors]
+A 1-D tensor (a bias, a norm weight) is divisible, as FSDP2's ``Shard(0)`` cuts it:
+its rows are its elements and its default block is one element. Nothing finer is
+lost by not using the alignment unit ``a`` as its block: ``S`` and every offset are
+multiples of ``a``, so every cut already falls a multiple of ``a`` from the
+tensor's start, and a one-element block also lets the last, shorter run of a
+length that ``a`` does not divide sit anywhere (a tensor shorter than ``a`` is
+never cut: no aligned boundary falls inside it). The lower bound keeps its form,
+``max(ceil(total / m), largest block)`` rounded to the alignment and to the block of
+every run long enough to hold a whole shard, with ``g_t = 1`` for such a tensor: it
+no longer forces ``S >= n`` (a 32,000-element LM-head bias did, padding a 4 M-element
+group to ``m * 32,000`` elements at 16,384 ranks), nor any lcm rounding. A block
+policy that names the tensor (``"whole"``, or a count of elements) still gets it.
 
 [Note: member gaps]
 A stack (``TensorSpec(stack=True)``, fused experts ``[E, out, in]``) can be laid out

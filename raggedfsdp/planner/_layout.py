@@ -280,10 +280,9 @@ class BufferLayout:
 
         ``raggedfsdp.placement.RaggedShard.from_layout`` builds the placement from them.
 
-        ``dims`` is every dim but the last (``(0,)`` for a 1-D tensor, whose one
-        block is the whole tensor; ``(0,)`` for a stack with member gaps, cut into
-        whole members); their product, the row count, is cut into
-        ``sum(local_units)`` units of ``unit_rows`` rows.
+        ``dims`` is every dim but the last (``(0,)`` for a 1-D tensor, whose rows are
+        its elements; ``(0,)`` for a stack with member gaps, cut into whole members);
+        their product, the row count, is cut into ``sum(local_units)`` units of ``unit_rows`` rows.
 
         Raises:
             NotImplementedError: a 0-d tensor (no dim to shard on).

@@ -1,10 +1,17 @@
 """The planner's input: one tensor of a param group, its shape and its block.
 
 A *row* is one row of the tensor seen as a matrix ``[numel / last_dim, last_dim]``
-(a 1-D tensor is one row; a stacked ``[E, out, in]`` tensor has ``E * out`` rows,
-each a row of one member). A *block* is ``block_rows`` consecutive rows and is the
-atomic unit a shard boundary may not split. When the row count is not a multiple
-of ``block_rows`` the last block is shorter; no boundary can fall inside it either.
+(a stacked ``[E, out, in]`` tensor has ``E * out`` rows, each a row of one member);
+a 1-D tensor's rows are its elements, as FSDP2's ``Shard(0)`` cuts it (a 0-d tensor
+is one row). A *block* is ``block_rows`` consecutive rows and is the atomic unit a
+shard boundary may not split. When the row count is not a multiple of
+``block_rows`` the last block is shorter; no boundary can fall inside it either.
+
+By default (``block_rows=1``) a 1-D tensor is thus divisible between any two
+elements; the layout's alignment still puts every cut a multiple of the alignment
+unit from the tensor's start (``S`` and every offset are multiples of it), so a
+bias of 32,000 fp32 elements is cut in runs of 32, and a tensor shorter than one
+alignment unit is never cut at all. ``block_rows="whole"`` keeps it whole.
 """
 
 from __future__ import annotations
@@ -122,8 +129,8 @@ class TensorSpec:
 
     @property
     def row_elems(self) -> int:
-        """Elements per row: the last dim (1 for a 0-d tensor)."""
-        return self.shape[-1] if self.shape else 1
+        """Elements per row: the last dim (1 for a 1-D or 0-d tensor)."""
+        return self.shape[-1] if len(self.shape) >= 2 else 1
 
     @property
     def rows(self) -> int:
@@ -158,12 +165,15 @@ def with_block_rows(spec: TensorSpec, block_rows: int | Literal["whole"]) -> Ten
     """Apply a model-wide block policy to one tensor, clamped to the tensor.
 
     A model-wide ``block_rows=k`` means "blocks of k rows where the tensor has that
-    many": a 1-D norm weight (one row) or a 64-row matrix gets one whole block. A
-    per-tensor ``block_rows`` larger than the tensor is an error instead (see
-    ``TensorSpec``).
+    many": a 64-row matrix gets one whole block. It is a count of matrix rows, so a
+    1-D tensor (a norm weight, a bias) keeps blocks of one element; ``"whole"`` applies
+    to every tensor. A per-tensor ``block_rows`` larger than the tensor is an error
+    instead (see ``TensorSpec``).
     """
     if block_rows == WHOLE:
         return TensorSpec(name=spec.name, shape=spec.shape, block_rows=WHOLE, stack=spec.stack)
+    if len(spec.shape) == 1:
+        block_rows = 1
     rows = spec.member_rows if spec.stack else spec.rows
     return TensorSpec(
         name=spec.name, shape=spec.shape, block_rows=min(int(block_rows), rows), stack=spec.stack

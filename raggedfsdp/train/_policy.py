@@ -39,7 +39,7 @@ def member_rows(param) -> int:
     """Rows as ``fully_shard`` counts them: of ``[numel / last_dim, last_dim]``, per member
     of a stacked ``[E, out, in]`` tensor (see ``BlockPolicy``)."""
     if len(param.shape) <= 1:
-        return 1
+        return math.prod(param.shape)  # a 1-D tensor's rows are its elements
     rows = math.prod(param.shape) // param.shape[-1]
     return rows // param.shape[0] if len(param.shape) >= 3 else rows
 

@@ -11,7 +11,7 @@
   ``BufferView.fp8.piece`` gives them.
 - Bytes (CommCounter): a model whose matrices are whole 32x32 tiles all-gathers at most
   0.52x the bytes of its bf16 all-gather (codes plus scales), with 32x32 fp32 scales and
-  with MX (1x32, E8M0), its reduce-scatter bytes unchanged; each FP8 buffer moves exactly
+  with MX (1x32, E8M0), its reduce-scatter bytes no more than bf16's; each FP8 buffer moves exactly
   ``m * send_bytes`` bytes (``S`` of codes, its scales at a 4-byte boundary).
 - Casts, counted: in fp32, the only copy-like ops touching the buffers in a step are
   the dequantizing casts into FP8 buffers' global storages, one per FP8 all-gather, each
@@ -216,11 +216,16 @@ def _check_bytes(rank, world):
                 per = b.fp8.send_bytes if b.fp8 is not None else b.layout.shard_size * 2
                 expected += world * per * (1 if id(b) in root else 2)  # forward, backward
             assert stats[fp8]["all_gather"].output_bytes == expected
+            # each buffer reduce-scatters m * S elements of bf16, once a step
+            reduced = sum(world * b.layout.shard_size * 2 for b in bufs)
+            assert stats[fp8]["reduce_scatter"].input_bytes == reduced, fp8
     bf16 = stats.pop(None)
     for fp8, got in stats.items():
         ratio = got["all_gather"].output_bytes / bf16["all_gather"].output_bytes
         assert ratio <= 0.52, (fp8, ratio)
-        assert got["reduce_scatter"].input_bytes == bf16["reduce_scatter"].input_bytes, fp8
+        # the FP8 buffers' layouts pad no more than one bf16 buffer per group: the tiles
+        # are whole blocks of whole rows, and the rest (norm weights) plans apart
+        assert got["reduce_scatter"].input_bytes <= bf16["reduce_scatter"].input_bytes, fp8
 
 
 def _root_views(model):

@@ -209,7 +209,9 @@ def test_eligibility_by_size():
         ((6, 44, 96), "whole"),  # each whole member of a stack
         ((4, 64, 96), 8),
         ((32, 96), 1),  # 3072 elements: fp32 moments, no alignment needed
-        ((5000,), 1),  # 1-D: one row, always whole
+        ((5000,), "whole"),  # 1-D, 8-bit: 256 elements do not divide 5000
+        ((32000,), 256),  # 1-D, 8-bit: cut between quantization blocks
+        ((3000,), 1),  # 1-D, fp32 moments: cut between elements
     ],
 )
 def test_block_policy(shape, rows):

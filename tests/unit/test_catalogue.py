@@ -99,7 +99,9 @@ def test_peer_rules_on_a_small_case():
     # FSDP2: dim 0 of w in chunks of 3 rows -> 12 rows (pad 8); b in chunks of 1 -> 4 (pad 1)
     f2 = fsdp2_padding(specs, 4)
     assert f2.padding == 9
-    assert f2.split_blocks == 2 + 2  # w: cuts at rows 3 and 9 (odd); b: 2 cuts, one block
+    # w: cuts at rows 3 and 9 (odd rows: inside its 2-row blocks); b: a 1-D tensor's
+    # blocks are its elements, so its cuts split none
+    assert f2.split_blocks == 2
     z3 = zero3_padding(specs, 4)  # 40 -> 40, 3 -> 4
     assert z3.padding == 1
     f1 = fsdp1_padding(specs, 4, "float32")  # 16-byte aligned starts: 40 + 3 = 43 -> 44

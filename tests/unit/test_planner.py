@@ -142,9 +142,9 @@ def test_next_admissible_is_the_smallest_admissible_size(runs, start, a):
 def test_docstring_example():
     specs = [
         TensorSpec(name="A", shape=(6, 4)),
-        TensorSpec(name="B", shape=(5,)),
+        TensorSpec(name="B", shape=(5,), block_rows="whole"),
         TensorSpec(name="C", shape=(3, 2)),
-        TensorSpec(name="D", shape=(3,)),
+        TensorSpec(name="D", shape=(3,), block_rows="whole"),
     ]
     layout = plan_buffer(specs, 5, dtype="float32", alignment_bytes=4)
     assert layout.shard_size == 8 and layout.padding == 2
@@ -365,11 +365,11 @@ def test_plan_buffer_errors():
 
 def test_model_wide_block_is_clamped_but_per_tensor_block_is_strict():
     norm = TensorSpec(name="norm", shape=(4096,))
-    assert with_block_rows(norm, 128).block_rows == 1  # one row: one whole block
+    assert with_block_rows(norm, 128).block_rows == 1  # rows count matrix rows: 1-D stays cut
     stack = TensorSpec(name="e", shape=(4, 100, 8), stack=True)
     assert with_block_rows(stack, 128).block_rows == 100  # a member's rows
-    with pytest.raises(ValueError, match="pass block_rows<=1"):
-        TensorSpec(name="norm", shape=(4096,), block_rows=128)
+    with pytest.raises(ValueError, match="pass block_rows<=4"):
+        TensorSpec(name="e", shape=(4, 8), block_rows=128)
 
 
 def _layout(**overrides) -> BufferLayout:

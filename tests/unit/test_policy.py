@@ -16,7 +16,8 @@ def test_rows_overrides_and_small_tensors():
     assert policy("layers.0.attention.wk.weight", _p(32, 96)) == 8
     assert policy("layers.0.attention.wq.weight", _p(96, 96)) == 4
     assert policy("layers.1.moe.experts.w1", _p(6, 44, 96)) == "whole"
-    assert policy("norm.weight", _p(96)) == "whole"  # one row
+    assert policy("norm.weight", _p(96)) == 1  # 1-D: cut between elements
+    assert BlockPolicy(rows="whole")("norm.weight", _p(96)) == "whole"
     assert BlockPolicy()("w", _p(5, 3)) == 1  # default: 1 row
 
 
