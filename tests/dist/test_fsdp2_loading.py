@@ -31,11 +31,11 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 import raggedfsdp
 from raggedfsdp.fsdp import buffers_of
 from raggedfsdp.models import get_config
-from raggedfsdp.models.transformer import Transformer, lm_loss
+from raggedfsdp.models.transformer import Transformer
+from tests.dist.test_fsdp2_dropin import SEQ, STEPS, _batches, _shard, _train
 from tests.harness import run_cases, spawn
 
 pytestmark = pytest.mark.numerics
-SEQ, STEPS = 16, 3
 BOTH = {"FSDP2": torch_fsdp.fully_shard, "raggedfsdp": raggedfsdp.fully_shard}
 
 
@@ -47,34 +47,6 @@ def _pretrained() -> Transformer:
 def _meta_model() -> Transformer:
     with torch.device("meta"):
         return Transformer(get_config("llama-tiny"), max_seq_len=SEQ)
-
-
-def _shard(fully_shard, model, mesh, **kw):
-    for block in model.transformer_blocks():
-        fully_shard(block, mesh=mesh, **kw)
-    fully_shard(model, mesh=mesh, **kw)
-    return model
-
-
-def _batches(rank, world):
-    gen = torch.Generator().manual_seed(7)
-    data = torch.randint(0, 1001, (STEPS, 2 * world, SEQ + 1), generator=gen)
-    return [d[2 * rank : 2 * rank + 2] for d in data]
-
-
-def _train(model, rank, world):
-    """Losses (the global mean) and the final full parameters after a few SGD steps."""
-    opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
-    losses = []
-    for x in _batches(rank, world):
-        loss = lm_loss(model(x[:, :-1]), x[:, 1:])
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        total = loss.detach().clone()
-        dist.all_reduce(total)
-        losses.append(total.item() / world)
-    return losses, {k: v.full_tensor() for k, v in model.named_parameters()}
 
 
 def _assert_same_training(ours, theirs, what: str) -> None:
