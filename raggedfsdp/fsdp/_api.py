@@ -95,12 +95,15 @@ def fully_shard(
             ``(fqn, param)`` returning a positive int or ``"whole"``. Default 1 row.
         alignment_bytes: alignment of every shard start. Default 128 (see the planner).
         max_buffers: the most buffers the group's parameters may be split over, each with
-            its own all-gather and reduce-scatter; the planner splits only where that
-            saves more padding bytes than one more collective costs, see [Note:
-            multi-buffer groups] in ``raggedfsdp/planner/_multi.py``. Default 4.
-        buffer_alpha_bytes: that cost of one more buffer, in bytes (negative: split
-            wherever the padding grows by less than its magnitude). Default (None): 128 KiB
-            per rank of the shard group.
+            its own all-gather and reduce-scatter; the planner splits only where the
+            padding saved costs more (on the wire and at the memory peak) than one more
+            buffer's collectives, or where one buffer would hold over twice the group's
+            elements, see [Note: multi-buffer groups] in ``raggedfsdp/planner/_multi.py``.
+            Default 4.
+        buffer_alpha_bytes: that cost of one more buffer, in bytes of padding, without
+            the twice-the-group rule (negative: split wherever the padding grows by less
+            than its magnitude). Default (None): ``planner.default_alpha_bytes`` of the
+            shard group's ranks, and the rule.
         grads_in_params: in backward, write each parameter's gradient over its own
             unsharded value once autograd no longer needs it, so the group holds no
             gradient buffer beside its unsharded parameters (see [Note: gradients in
@@ -683,13 +686,20 @@ class FSDPModule(TorchFSDPModule):
     def set_reduce_scatter_unused_params(
         self, reduce_scatter_unused_params: bool, *, recurse: bool = True
     ) -> None:
-        """Always on: each group reduce-scatters its whole buffer, unused parameters'
-        zeros included, so ranks that used different parameters never mismatch."""
+        """True: a parameter that got no gradient on this rank counts as a zero gradient,
+        so every parameter of a group that ran backward gets the reduced gradient (zeros
+        where no rank used it), as FSDP2. For ranks that use different parameters (mixture
+        of experts, multi-modal branches), as DDP's ``find_unused_parameters``. False
+        (default): such a parameter keeps ``.grad`` None. Either way each group
+        reduce-scatters its whole buffer; see [Note: unused parameters] in ``_state.py``.
+        """
         if not isinstance(reduce_scatter_unused_params, bool):
             raise ValueError(
                 "set_reduce_scatter_unused_params: expected a bool, got "
                 f"{type(reduce_scatter_unused_params).__name__}"
             )
+        for s in self._fsdp_states(recurse):
+            s.set_reduce_scatter_unused_params(reduce_scatter_unused_params)
 
     def set_reduce_scatter_max_input_buffers(
         self, max_input_buffers: int, *, recurse: bool = True
@@ -840,7 +850,7 @@ FSDP2_SURFACE: dict[str, str] = {
     "set_modules_to_forward_prefetch": "supported",
     "set_post_optim_event": "supported (no-op on the CPU)",
     "set_reduce_scatter_max_input_buffers": "supported",
-    "set_reduce_scatter_unused_params": "supported (always on: whole buffers are reduced)",
+    "set_reduce_scatter_unused_params": "supported",
     "set_requires_all_reduce": "supported (HSDP; no all-reduce on a 1-D mesh)",
     "set_requires_gradient_sync": "supported",
     "set_reshard_after_backward": "supported",

@@ -25,6 +25,7 @@ _SETTINGS = frozenset(
         "requires_all_reduce",
         "force_sum_reduction",
         "all_reduce_hook",
+        "reduce_scatter_unused_params",
     }
 )
 
@@ -158,9 +159,10 @@ class GroupSet:
     def local_grad_flags(self) -> list[bool]:
         return [flag for g in self.groups for flag in g.local_grad_flags()]
 
-    def finalize_grads(self, got_grad: list[bool]) -> None:
+    def finalize_grads(self, got_grad: list[bool]) -> list[str]:
         """Per buffer, its parameters' flags (in ``refs`` order)."""
-        at = 0
+        at, arrived = 0, []
         for g in self.groups:
-            g.finalize_grads(got_grad[at : at + len(g.refs)])
+            arrived += g.finalize_grads(got_grad[at : at + len(g.refs)])
             at += len(g.refs)
+        return arrived

@@ -11,6 +11,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 from torch.distributed.tensor import DTensor, Replicate
 
 from raggedfsdp._collectives import all_gather_single, completed_work
@@ -243,6 +244,8 @@ class ParamGroup:
         self._accumulated: torch.Tensor | None = None  # see _accumulate_in_reduce_dtype
         self.force_sum_reduction = False  # SUM, then divide (set_force_sum_reduction_for_comms)
         self.all_reduce_hook = None  # called on the reduce-scatter output (set_all_reduce_hook)
+        # set_reduce_scatter_unused_params: see [Note: unused parameters]
+        self.reduce_scatter_unused_params = False
         self.reduce_process_group = self.process_group  # or its own (separate RS group)
         self.unloaded: dict[str, str] = {}  # fqn -> key, on meta after a partial load
 
@@ -926,8 +929,11 @@ class ParamGroup:
     def local_grad_flags(self) -> list[bool]:
         return [ref.got_grad for ref in self.refs]
 
-    def finalize_grads(self, got_grad: list[bool]) -> None:
-        """Wait for the reduce-scatter and set the sharded ``.grad``s (views of shard grads)."""
+    def finalize_grads(self, got_grad: list[bool]) -> list[str]:
+        """Wait for the reduce-scatter and set the sharded ``.grad``s (views of shard grads).
+
+        Returns the parameters another rank's gradient arrived for while this rank had
+        none (see ``_gradients_arrived``); then no gradient of the group is set."""
         self.wait_reduce()
         output, direct, earlier = self._reduce.output, self._reduce.direct, self._reduce.earlier
         self._reduce = None
@@ -939,7 +945,7 @@ class ParamGroup:
                     self._partial_reduce = output
                 else:
                     self._partial_reduce.add_(output)
-                return
+                return []
             if self._partial_reduce is not None:
                 output.add_(self._partial_reduce)
                 self._partial_reduce = None
@@ -955,9 +961,14 @@ class ParamGroup:
             # only a dtype differs (reduce_dtype != param dtype): one cast of the buffer
             self.dbuf.shard_grad.copy_(output)
             direct = True
-        for ref, any_rank_got_grad in zip(self.refs, got_grad):
+        arrived = _gradients_arrived(self, got_grad, output, direct)
+        if arrived:
+            for ref in self.refs:
+                ref.got_grad = False
+            return arrived
+        for ref, gets_grad in zip(self.refs, got_grad):
             ref.got_grad = False
-            if not ref.requires_grad or not any_rank_got_grad:
+            if not ref.requires_grad or not gets_grad:
                 if not direct and ref.sharded.grad is None:
                     # keep the buffer's norm exact: no stale values where .grad is None
                     self.dbuf.shard_grad_view(ref.fqn).zero_()
@@ -980,6 +991,27 @@ class ParamGroup:
             if direct or existing is None:
                 ref.sharded.grad = ref.sharded_grad
             _run_post_accumulate_grad_hooks(ref.sharded)
+        return []
+
+
+def _gradients_arrived(group: ParamGroup, gets_grad: list[bool], output, direct) -> list[str]:
+    """The parameters another rank's gradient arrived for where this rank leaves them
+    without one: ranks used different parameters, and FSDP2's rule (see [Note: unused
+    parameters] in ``_state.py``) would leave this rank's rows unstepped. Reads the host
+    only for parameters this rank had no gradient for; fake tensors (the simulator) hold
+    no values to read."""
+    arrived = []
+    for ref, gets in zip(group.refs, gets_grad):
+        if gets or not ref.requires_grad:
+            continue
+        rows = (
+            group.dbuf.shard_grad_view(ref.fqn)
+            if direct
+            else group.dbuf.local_view(output, ref.fqn)
+        )
+        if rows.numel() and not is_fake(rows) and bool(rows.any()):
+            arrived.append(ref.fqn)
+    return arrived
 
 
 def _mesh_device(mesh) -> torch.device:

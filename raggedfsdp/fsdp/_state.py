@@ -179,6 +179,10 @@ class FSDPState:
         if self.group is not None:
             self.group.force_sum_reduction = value
 
+    def set_reduce_scatter_unused_params(self, value: bool) -> None:
+        if self.group is not None:
+            self.group.reduce_scatter_unused_params = value
+
     def set_all_reduce_hook(self, hook) -> None:
         if self.group is not None:
             self.group.all_reduce_hook = hook
@@ -444,13 +448,21 @@ class FSDPState:
             s.training_state = TrainingState.IDLE
         pending = [s.group for s in self._states if s.group is not None and s.group.reduce_pending]
         if pending:
-            got_grad = _any_rank_got_grad(pending)
-            for g in pending:
+            got_grad, arrived = _local_grad_flags(pending), []
+            for g in pending:  # every group's collectives complete, then any error
                 n = len(g.refs)
-                g.finalize_grads(got_grad[:n])
+                arrived += g.finalize_grads(got_grad[:n])
                 got_grad = got_grad[n:]
         self._callback_queued = False
         self._reduce_order = []
+        if pending and arrived:
+            raise RuntimeError(
+                f"fully_shard: parameter(s) {arrived} got no gradient on rank "
+                f"{dist.get_rank()} but another rank's gradient arrived for them: ranks "
+                "used different parameters in this backward, and their groups' gradients "
+                "were not set. Call model.set_reduce_scatter_unused_params(True) (as with "
+                "FSDP2) so that every rank counts an unused parameter as a zero gradient."
+            )
 
     def reset_iter_state(self) -> None:
         """Root: after an exception mid-iteration, reshard everything, drop collectives in
@@ -471,46 +483,22 @@ def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-def _any_rank_got_grad(pending: list[ParamGroup]) -> list[bool]:
-    """Per parameter of ``pending``: did any rank's backward give it a gradient?
+def _local_grad_flags(pending: list[ParamGroup]) -> list[bool]:
+    """Per parameter of ``pending``: does it get the reduced gradient on this rank?
 
-    [Note: unused parameters] Single-process semantics: a parameter that no rank used
-    keeps ``.grad`` None (an optimizer then skips it); one that some rank used gets the
-    reduced gradient, on every rank. Ranks agree through one MAX all-reduce of a flag
-    per parameter, which every rank issues every backward (ranks cannot know whether
-    another needs it). Only a rank that lacks a gradient itself reads the result back
-    to the host, where the answer is unknown to it: a rank that got every gradient
-    knows every answer is yes (the MAX of its ones), so the common step makes no host
-    read and the host never waits for the device. Frozen parameters count as got:
-    they get no gradient either way.
+    [Note: unused parameters] As FSDP2, decided by each rank alone, with no collective
+    beyond the reduce-scatters: a parameter gets the reduced gradient if this rank's
+    backward gave it one, or if its group reduces unused parameters
+    (``set_reduce_scatter_unused_params(True)``: a zero gradient, as FSDP2 and DDP's
+    ``find_unused_parameters``). Otherwise its ``.grad`` stays None. Each group
+    reduce-scatters its whole buffer either way (zeros where this rank has no gradient),
+    so ranks that used different parameters never mismatch a collective, and the rank
+    that lacks a gradient another rank produced sees it arrive in its rows: it raises
+    (``ParamGroup.finalize_grads``), naming the parameter and the setting, where FSDP2's
+    reduce-scatters would mismatch. An earlier design let ranks agree through one MAX
+    all-reduce of a flag per parameter every backward; FSDP2's rule needs none.
     """
-    local = [ref.got_grad or not ref.requires_grad for g in pending for ref in g.refs]
-    # Buffers on different meshes (see [Note: a mesh per parameter] in _api.py) agree
-    # over their own ranks: one all-reduce per (shard group, replicate group), every
-    # rank issuing them in the same order (the groups' order).
-    spans: dict[tuple, list[tuple[int, int]]] = {}
-    at = 0
-    for b in (b for g in pending for b in _buffers(g)):
-        spans.setdefault((b.process_group, b.replicate_group), []).append((at, at + len(b.refs)))
-        at += len(b.refs)
-    if all(pg is None or dist.get_world_size(pg) == 1 for key in spans for pg in key):
-        return local  # one rank: its own flags are the answer, no collective
-    device, missing = pending[0].device, not all(local)
-    out = list(local)
-    for groups, where in spans.items():
-        mine = [x for a, b in where for x in local[a:b]]
-        if missing:  # built from the host's list: a copy to the device, on this rare path only
-            flags = torch.tensor(mine, dtype=torch.uint8, device=device)
-        else:
-            flags = torch.ones(len(mine), dtype=torch.uint8, device=device)
-        for pg in groups:  # the shard dim, then (HSDP) the replicas: a gradient on any rank
-            if pg is not None and dist.get_world_size(pg) > 1:
-                dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=pg)
-        if missing:
-            got = iter(flags.bool().tolist())
-            for a, b in where:
-                out[a:b] = [next(got) for _ in range(a, b)]
-    return out
+    return [ref.got_grad or g.reduce_scatter_unused_params for g in pending for ref in g.refs]
 
 
 def _buffers(group) -> list:

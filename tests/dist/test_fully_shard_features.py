@@ -232,19 +232,23 @@ class _Branchy(nn.Module):
 
 
 def _check_rank_divergent_use(mesh, rank, world):
-    """A parameter used on one rank only gets the reduced gradient on every rank (the
-    ranks that lacked it read the flags back; the rank that had every gradient does
-    not), and one used on no rank keeps ``.grad`` None: single-process semantics."""
+    """With ``set_reduce_scatter_unused_params(True)`` (FSDP2's setting for ranks that
+    use different parameters), a parameter used on one rank only gets the reduced
+    gradient on every rank, as in one process, and one used on no rank a zero gradient,
+    as FSDP2 (one process would leave it None: the reference is given zeros)."""
     torch.manual_seed(0)
     ref, model = _Branchy(), _Branchy()
     model.load_state_dict(ref.state_dict())
     fully_shard(model, mesh=mesh)
+    model.set_reduce_scatter_unused_params(True)
     xs = torch.randn(world, 4, 6, generator=torch.Generator().manual_seed(5))
     user = world - 1  # the only rank that runs ``branch``
 
     def backward():
         for r in range(world):
             ref(xs[r], r == user).square().mean().mul(1.0 / world).backward()
+        for p in ref.never.parameters():
+            p.grad = torch.zeros_like(p)
         model(xs[rank], rank == user).square().mean().backward()
 
     _adamw_matches_one_process(ref, model, backward, steps=2)

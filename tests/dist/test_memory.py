@@ -14,7 +14,8 @@ sizes. See [Note: gradients in place] and [Note: gradient storage] in
 - at no moment of backward are more groups unsharded than under torch's FSDP2 (the same
   backward prefetch), for both groupings;
 - a group whose parameters get no gradient on one rank still reduce-scatters (zeros):
-  the ranks' collectives match and the other rank's gradient arrives, averaged;
+  the ranks' collectives match and, with ``set_reduce_scatter_unused_params(True)``
+  (FSDP2's setting for it), the other rank's gradient arrives, averaged;
 - the gradients equal FSDP2's.
 """
 
@@ -179,11 +180,13 @@ def _check(rank: int, world: int) -> None:
             a, b = ours[name].grad.full_tensor(), p.grad.full_tensor()
             assert torch.equal(a, b), f"{grouping}: {name}"
 
-    # 3. A group with no gradient on rank 1 still reduces: zeros from rank 1, averaged.
+    # 3. A group with no gradient on rank 1 still reduces: zeros from rank 1, averaged
+    # (FSDP2's rule for ranks that use different parameters: see test_unused_params.py).
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(8, 8), _MaybeUnused(), nn.Linear(8, 2))
     fully_shard(net[1], mesh=mesh)
     fully_shard(net, mesh=mesh)
+    net.set_reduce_scatter_unused_params(True)
     x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
     net(x).sum().backward()
     grads = [p.grad.full_tensor() for p in net[1].parameters()]

@@ -153,11 +153,10 @@ def test_hsdp_collectives(hsdp, system):
     reduces = {n: sorted(i for k, i, o, m in r["comm_events"] if k == "all_reduce" and m == n)
                for n in (REPLICATE, shard)}  # fmt: skip
     want = [g["S"] * F32 for g in groups]
-    # ... and raggedfsdp's unused-parameter flags (a byte per parameter), MAX-reduced over
-    # the shard group, then over the replicas ([Note: unused parameters] in fsdp/_state.py).
-    flags = [r["layout"]["params"]] if system == "raggedfsdp" else []
-    assert reduces == {REPLICATE: sorted(want + flags), shard: flags}
-    assert r["comm"]["all_reduce"][0] == len(groups) + 2 * len(flags)
+    # ... and nothing else: no collective for ranks to agree on which parameters got a
+    # gradient ([Note: unused parameters] in fsdp/_state.py), as FSDP2.
+    assert reduces == {REPLICATE: sorted(want), shard: []}
+    assert r["comm"]["all_reduce"][0] == len(groups)
 
 
 @pytest.mark.parametrize("which", ["results", "hsdp"])
