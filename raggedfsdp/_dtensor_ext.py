@@ -970,7 +970,7 @@ def _reduction_handler(op_call, args, kwargs):
     op_info = dispatcher.unwrap_to_op_info(op_call, args, kwargs)
     if not _schema_is_ragged(op_info.schema):
         # hand the op back to torch's own path (as torch.distributed.tensor.parallel.loss does)
-        return _to_torch(op_call, _reduction_handler, args, kwargs)
+        return _to_torch(op_call, args, kwargs)
     sharding = dispatcher.sharding_propagator.propagate_op_sharding(op_info.schema)
     if sharding.needs_redistribute:  # the local op's own arguments: [Note: row-wise ops]
         dispatcher.redistribute_local_args(
@@ -994,14 +994,33 @@ _REDUCTION_HANDLED = (
 )
 
 
-def _to_torch(op_call, handler, args, kwargs):
-    """Run ``op_call`` through torch's own DTensor path (the handler stepped aside)."""
-    handlers = DTensor._op_dispatcher._custom_op_handlers
-    del handlers[op_call]
-    try:
-        return op_call(*args, **kwargs)
-    finally:
-        handlers[op_call] = handler
+# [Note: torch's path from a handler] A custom handler that gets a plain (non-ragged)
+# op hands it to torch's own DTensor path by running that path's Python steps itself
+# (torch's dispatcher calls them from C++ for any op without a handler): unwrap, sharding
+# propagation, the local results (redistribution and the RNG tracker included), the
+# wrapping tail. It never takes itself out of torch's global handler table, so another
+# thread (the async checkpoint's) never finds the handler missing, and nested calls need
+# no bookkeeping.
+def _to_torch(op_call, args, kwargs):
+    """Run ``op_call`` on DTensors as torch's own dispatcher does (see [Note: torch's
+    path from a handler])."""
+    d = DTensor._op_dispatcher
+    op_info = d.unwrap_to_op_info(op_call, args, kwargs)
+    sharding = d._propagate_op_sharding_dispatch_slow_path(
+        op_call, args, kwargs, op_info, try_cache=True
+    )
+    if not isinstance(sharding, OutputSharding):
+        return sharding  # a CompositeImplicitAutograd op under inference mode: decomposed
+    op_info.output_sharding = sharding
+    local = d._dispatch_get_local_results_slow_path(op_call, args, op_info)
+    inplace, out = op_info.schema.is_inplace_op(), op_info.schema.is_out_variant_op()
+    if not (inplace or out or op_call is aten.equal.default):
+        return d.wrap(local, sharding.output_spec)
+    mesh = op_info.compute_mesh  # the tail: outputs that are inputs, and equal's bool
+    participating = mesh._is_current_rank_part_of_mesh()
+    return d._dispatch_fast_path_python_tail(
+        op_call, args, kwargs, mesh, sharding, local, participating, inplace, out
+    )
 
 
 def _install_propagation() -> None:

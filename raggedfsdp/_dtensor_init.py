@@ -64,7 +64,7 @@ def random_handler(op_call, args, kwargs):
     """DTensor custom handler for in-place random ops: see [Note: random init of RaggedShard]."""
     target = args[0]
     if not (isinstance(target, DTensor) and _is_ragged(target._spec)):
-        return _to_torch(op_call, random_handler, args, kwargs)
+        return _to_torch(op_call, args, kwargs)
     if any(isinstance(a, DTensor) for a in (*args[1:], *kwargs.values())):
         raise NotImplementedError(f"{op_call} with DTensor arguments on a RaggedShard DTensor")
     local = target._local_tensor
@@ -83,7 +83,7 @@ def any_all_handler(op_call, args, kwargs):
     identity (False / True)."""
     target = args[0]
     if not (isinstance(target, DTensor) and _is_ragged(target._spec)) or len(args) > 1 or kwargs:
-        return _to_torch(op_call, any_all_handler, args, kwargs)
+        return _to_torch(op_call, args, kwargs)
     axis, _ = ragged_axis(target.placements)
     mesh = target.device_mesh
     local = op_call(target._local_tensor).to(torch.uint8)
@@ -100,7 +100,7 @@ def select_handler(op_call, args, kwargs):
     writes through to the parameter). Rows are never split, so no data moves."""
     target = args[0]
     if not (isinstance(target, DTensor) and _is_ragged(target._spec)):
-        return _to_torch(op_call, select_handler, args, kwargs)
+        return _to_torch(op_call, args, kwargs)
     dim, index = (args[1], args[2]) if len(args) > 2 else (kwargs["dim"], kwargs["index"])
     shape = tuple(target.shape)
     axis, rs = ragged_axis(target.placements)

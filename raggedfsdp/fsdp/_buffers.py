@@ -218,16 +218,17 @@ class BufferView:
     @property
     def params(self) -> tuple[ParamSlice, ...]:
         """Every parameter of the buffer, in the order of the module's parameters."""
+        return tuple(self.slice_at(i) for i in range(len(self._group.refs)))
+
+    def slice_at(self, index: int) -> ParamSlice:
+        """The ``ParamSlice`` of the buffer's ``index``-th parameter: O(1), so a lookup per
+        parameter (``buffer_of``, the optimizers) costs O(P) per buffer, not O(P^2)."""
         group = self._group
-        out = []
-        for ref in group.refs:
-            size, stride, start = group.layout.local_view_args(ref.fqn, group.rank)
-            n = math.prod(size)  # the last element's offset + 1 (every stride positive)
-            stop = start + sum((k - 1) * d for k, d in zip(size, stride)) + 1 if n else start
-            out.append(
-                ParamSlice(ref.fqn, ref.sharded, start, stop, ref.requires_grad, size, stride)
-            )
-        return tuple(out)
+        ref = group.refs[index]
+        size, stride, start = group.layout.local_view_args(ref.fqn, group.rank)
+        n = math.prod(size)  # the last element's offset + 1 (every stride positive)
+        stop = start + sum((k - 1) * d for k, d in zip(size, stride)) + 1 if n else start
+        return ParamSlice(ref.fqn, ref.sharded, start, stop, ref.requires_grad, size, stride)
 
     def slice_of(self, param: torch.Tensor) -> ParamSlice:
         """The ``ParamSlice`` of ``param``, a sharded parameter of this buffer.
@@ -241,7 +242,7 @@ class BufferView:
                 "BufferView.slice_of: the tensor is not a sharded parameter of this buffer; "
                 "use buffer_of(param) to find its buffer"
             )
-        return self.params[owner[1]]
+        return self.slice_at(owner[1])
 
     @property
     def tensor_parallel(self) -> bool:
@@ -270,7 +271,7 @@ def buffer_of(param: torch.Tensor) -> tuple[BufferView, ParamSlice] | None:
         return None
     group, index = owner
     view = group.view
-    return view, view.params[index]
+    return view, view.slice_at(index)
 
 
 def buffers_of(obj: nn.Module | Iterable[torch.Tensor]) -> list[BufferView]:
