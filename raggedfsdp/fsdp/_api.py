@@ -24,6 +24,7 @@ from raggedfsdp.fsdp._policy import BlockPolicy, BlockRows, MixedPrecisionPolicy
 from raggedfsdp.fsdp._state import FSDPState, resolve_reshard_after_forward, state_of
 from raggedfsdp.fsdp._subclass import subclass_params
 from raggedfsdp.fsdp._torch_state import register_torch_state
+from raggedfsdp.fsdp._trace import logger
 from raggedfsdp.planner import (
     DEFAULT_ALIGNMENT_BYTES,
     DEFAULT_MAX_BUFFERS,
@@ -524,6 +525,18 @@ def _new_group(
             # FSDP2's even chunks are (one more all-gather per parameter).
             planned = [layout for spec in part_specs for layout in plan([spec], how)]
         layouts += [(layout, how, by_hooks) for layout in planned]
+    for layout, _, _ in layouts:
+        logger.debug(
+            "fully_shard %s: a buffer of %d tensors over %d ranks: S = %d elements per rank, "
+            "padding %d of %d (%.2f%%)",
+            kw["name"],
+            len(layout.tensors),
+            world,
+            layout.shard_size,
+            layout.padding,
+            layout.global_size,
+            100.0 * layout.padding / max(layout.global_size, 1),
+        )
     if len(layouts) == 1:
         layout, how, by_hooks = layouts[0]
         return ParamGroup(

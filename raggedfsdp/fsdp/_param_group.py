@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import logging
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -24,6 +25,7 @@ from raggedfsdp.fsdp._policy import MixedPrecisionPolicy, resolve_block_rows
 from raggedfsdp.fsdp._state import PostForwardGroup
 from raggedfsdp.fsdp._subclass import SubclassGather, values_of
 from raggedfsdp.fsdp._tp import TPSpec, tp_spec_of
+from raggedfsdp.fsdp._trace import logger, phase
 from raggedfsdp.placement import RaggedShard
 from raggedfsdp.planner import BufferLayout, TensorSpec
 
@@ -446,6 +448,7 @@ class ParamGroup:
         )
 
     # ---- unshard / reshard ----------------------------------------------------------------
+    @phase("all_gather")
     def unshard(self, async_op: bool = False) -> None:
         """Start (or do) the all-gather of the global storage; ``wait_for_unshard`` ends it."""
         if self.state is ShardedState.UNSHARDED or self._gather is not None:
@@ -488,6 +491,7 @@ class ParamGroup:
         if not async_op:
             self.wait_for_unshard()
 
+    @phase("all_gather_wait")
     def wait_for_unshard(self) -> None:
         """Finish the all-gather; the modules hold the unsharded parameters."""
         if self._gather is None:
@@ -530,6 +534,7 @@ class ParamGroup:
         ref.hooks.clear()
         ref.unsharded, ref.sharded_grad, ref.assigned_grad = None, None, None
 
+    @phase("reshard")
     def reshard(self, post_forward: bool = False, free: bool = True) -> None:
         """Free the global storage; the modules hold the sharded parameters again.
 
@@ -589,6 +594,14 @@ class ParamGroup:
         self.grad_storage_reason = self._separate_storage_reason(unsharded, reshard, module_hooks)
         self._in_place = self.grad_storage_reason is None
         self.grads_in_params_ran = self._in_place
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug(
+                "fully_shard group %s: gradients %s",
+                self.name,
+                "written over the parameters"
+                if self._in_place
+                else f"in a storage of their own ({self.grad_storage_reason})",
+            )
 
     def _separate_storage_reason(
         self, unsharded: bool, reshard: bool, module_hooks: str | None
@@ -767,6 +780,7 @@ class ParamGroup:
             p.grad = ref.assigned_grad
             ref.got_grad = True
 
+    @phase("post_backward_reduce")
     def post_backward(self, reshard: bool) -> None:
         """The group's gradients are complete: start the reduce-scatter (or keep them)."""
         if not self.needs_post_backward:
@@ -929,6 +943,7 @@ class ParamGroup:
     def local_grad_flags(self) -> list[bool]:
         return [ref.got_grad for ref in self.refs]
 
+    @phase("post_backward_set_grads")
     def finalize_grads(self, got_grad: list[bool]) -> list[str]:
         """Wait for the reduce-scatter and set the sharded ``.grad``s (views of shard grads).
 

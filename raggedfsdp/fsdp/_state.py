@@ -32,6 +32,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from raggedfsdp.fsdp._device import new_group_like
 from raggedfsdp.fsdp._hooks import may_read_parameters
 from raggedfsdp.fsdp._policy import MixedPrecisionPolicy
+from raggedfsdp.fsdp._trace import phase
 
 if TYPE_CHECKING:
     from raggedfsdp.fsdp._param_group import ParamGroup
@@ -101,6 +102,7 @@ class FSDPState:
     ):
         self.modules = tuple(modules)
         self.group = group
+        self.name = group.name if group is not None else type(modules[0]).__name__
         self.mesh = mesh
         self.mp_policy = mp_policy
         self.reshard_after_backward = True
@@ -231,6 +233,7 @@ class FSDPState:
         return order[i] if 0 <= i < len(order) else None
 
     # ---- forward --------------------------------------------------------------------------
+    @phase("pre_forward")
     def _pre_forward(self, module, args, kwargs):
         if _in_backward():
             return self._rerun_in_backward(args, kwargs)
@@ -284,6 +287,7 @@ class FSDPState:
             args, kwargs = self._register_post_backward(args, kwargs)
         return args, kwargs
 
+    @phase("post_forward")
     def _post_forward(self, module, args, *kwargs_and_output):
         """Forward hook ``(module, args, kwargs, output)``; torch's
         ``register_fsdp_forward_method`` calls it as ``(module, args, output)``."""
@@ -349,6 +353,7 @@ class FSDPState:
             return output
         return tree_unflatten(flat, spec)
 
+    @phase("pre_backward")
     def _pre_backward(self, grad):
         root = self.root
         if not root._callback_queued:
@@ -398,6 +403,7 @@ class FSDPState:
         self._pending_post_backward += 1
         return tree_unflatten(flat, spec)
 
+    @phase("post_backward")
     def _post_backward(self) -> None:
         self._pending_post_backward -= 1
         if self._pending_post_backward == 0 and self.group is not None:
@@ -427,6 +433,7 @@ class FSDPState:
         for group in in_flight[: max(0, len(in_flight) - starting.max_reduces_in_flight + 1)]:
             group.wait_reduce()
 
+    @phase("root_post_backward_callback")
     def _final_callback(self) -> None:
         """End of backward (root only): reduce the rest, wait, set the sharded grads."""
         for s in self._states:
