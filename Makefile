@@ -5,7 +5,7 @@
 PY := .venv/bin/python
 VENV_STAMP := .venv/.installed
 
-.PHONY: demo test test-numerics test-clients lint venv clean bench bench-peers
+.PHONY: demo test check test-numerics test-clients lint venv clean bench bench-peers
 
 $(VENV_STAMP): pyproject.toml
 	python3 -m venv .venv
@@ -24,9 +24,11 @@ lint: $(VENV_STAMP)
 	$(PY) -m ruff format --check .
 
 # tests/clients (torchtitan, transformers, accelerate, torchao) take minutes each:
-# `make test-clients` runs them.
-test: lint
+# `make test-clients` runs them. `make check` is lint and test.
+test: $(VENV_STAMP)
 	$(PY) -m pytest -q tests --ignore=tests/clients
+
+check: lint test
 
 # The tests that compare numbers (marked `numerics`), rerun with the kernel choices that
 # differ from one machine to another: ATen's scalar kernels instead of its vectorized ones,
