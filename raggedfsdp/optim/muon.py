@@ -73,6 +73,7 @@ the order the parameters come.
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -381,11 +382,11 @@ class Muon(FlatAdamW):
             inputs.append(update.to(_COMM, copy=True).reshape(-1))
             local(p).mul_(1 - h["lr"] * h["weight_decay"])
         # 2. whole matrices on every rank (plain tensors, Replicate): no communication
-        sharded = []
+        sharded: list[_Sharded] = []
         for (p, h), x in zip(items, inputs):
             cut = _cut_of(p)
             if cut is not None:
-                sharded.append((p, h, x, cut))
+                sharded.append(_Sharded(p, h, x, cut))
                 continue
             whole = local(p)  # the whole parameter, any strides
             for e, (start, shape) in enumerate(matrix_members(p.shape)):
@@ -398,219 +399,255 @@ class Muon(FlatAdamW):
                 member.add_(result, alpha=-adjust_lr(h["lr"], h["adjust_lr_fn"], *shape))
                 stats.matrices += 1
         if sharded:  # planned per shard group: see [Note: Muon under TP and EP]
-            groups: dict[str, list] = {}
+            groups: dict[str, list[_Sharded]] = {}
             for entry in sharded:
-                groups.setdefault(entry[3].group.group_name, []).append(entry)
+                groups.setdefault(entry.cut.group.group_name, []).append(entry)
             for key, part in groups.items():
                 self._distributed_ns(key, part)
 
     def _ns(self, x: Tensor, h: dict) -> Tensor:
         return zeropower_via_newtonschulz(x, h["ns_coefficients"], h["ns_steps"], h["eps"])
 
-    def _step_plan(self, group: str, sharded) -> StepPlan:
+    def _step_plan(self, group: str, sharded: list[_Sharded]) -> StepPlan:
         """The plan of the Muon matrices sharded over one shard-dim process group."""
-        piece = sharded[0][3].piece
+        piece = sharded[0].cut.piece
         world, me = piece.rs.world_size, piece.coord
         key = (
-            tuple((id(p), p.placements, tuple(p.shape), h["ns_steps"]) for p, h, _, _ in sharded),
+            tuple(
+                (id(e.param), e.param.placements, tuple(e.param.shape), e.hyper["ns_steps"])
+                for e in sharded
+            ),  # fmt: skip
             self.distributed,
             self.matrices_per_round,
         )
         cached = self._plans.get(group)
         if cached is None or cached[0] != key:
             matrices, flops = plan_matrices(
-                [(c.piece.shape, c.piece.rs, h["ns_steps"]) for _, h, _, c in sharded], world
+                [(e.cut.piece.shape, e.cut.piece.rs, e.hyper["ns_steps"]) for e in sharded], world
             )
             plan = build_plan(matrices, flops, world, me, self.distributed, self.matrices_per_round)
             self._plans[group] = cached = (key, plan)
         return cached[1]
 
-    def _distributed_ns(self, group: str, sharded) -> None:
+    def _distributed_ns(self, group: str, sharded: list[_Sharded]) -> None:
         """Steps 2-3 of [Note: distributed Muon] for the RaggedShard parameters of one
         shard group, with the tp stage of [Note: Muon under TP and EP]."""
-        stats = self.last_step
-        plan = self._step_plan(group, sharded)
-        pg, me = sharded[0][3].group, sharded[0][3].piece.coord  # the shard dim's
-        local_start = [c.piece_start(me) for _, _, _, c in sharded]
-        matrices = plan.matrices
-        device = sharded[0][2].device  # of the NS inputs: the parameters'
-        cuts = [c for _, _, _, c in sharded]
-        tp = next((c for c in cuts if c.tp_axis is not None), None)
-        tp_load = [0.0] * (tp.tp_size if tp is not None else 1)
+        _ShardGroupStep(self, self._step_plan(group, sharded), sharded).run()
 
-        def tp_cut(i: int) -> _Cut | None:
-            c = cuts[matrices[i].item]
-            return c if c.tp_axis is not None else None
 
-        def whole_shape(i: int) -> tuple[int, int]:  # of the matrix, across tp
-            shape, c = list(matrices[i].shape), tp_cut(i)
-            if c is not None:
-                shape[c.member_dim] *= c.tp_size
-            return tuple(shape)
+@dataclass
+class _Sharded:
+    """A Muon parameter cut by RaggedShard, in one step: its hyperparameters, its NS
+    input (this rank's rows, flat bf16) and how it is cut."""
 
-        def piece(i: int, rank: int, source: Tensor, base: int) -> Tensor:
-            lo, hi = matrices[i].pieces[rank]
-            return source[lo - base : hi - base]
+    param: Tensor
+    hyper: dict
+    ns_input: Tensor
+    cut: _Cut
 
-        def own_input(i: int, rank: int) -> Tensor:
-            m = matrices[i]
-            return piece(i, rank, sharded[m.item][2], local_start[m.item])
 
-        def apply_piece(i: int, result: Tensor) -> None:  # result: this rank's rows of the update
-            m = matrices[i]
-            p, h, _, _ = sharded[m.item]
-            lo, _ = m.pieces[me]
-            _apply(local(p), lo - local_start[m.item], result, h, whole_shape(i))
+class _ShardGroupStep:
+    """One step's distributed Newton-Schulz over one shard group's matrices (``plan``):
+    gathers, NS at each matrix's root, scatters back, and the tp stage of [Note: Muon
+    under TP and EP] for matrices that tensor parallelism cuts."""
 
-        def ns(i: int, matrix: Tensor) -> Tensor:  # the whole matrix -> its NS (bf16)
-            h = sharded[matrices[i].item][1]
-            t0, c0 = time.perf_counter(), time.thread_time()
-            out = self._ns(matrix, h)
-            stats.ns_seconds += time.perf_counter() - t0
-            stats.ns_cpu_seconds += time.thread_time() - c0
-            stats.ns_flops += ns_flops(*matrix.shape, h["ns_steps"])
-            stats.rooted += 1
+    def __init__(self, muon: Muon, plan: StepPlan, sharded: list[_Sharded]):
+        self.muon, self.plan, self.sharded = muon, plan, sharded
+        self.stats = muon.last_step
+        self.matrices = plan.matrices
+        cut = sharded[0].cut
+        self.pg, self.me = cut.group, cut.piece.coord  # the shard dim's
+        self.local_start = [e.cut.piece_start(self.me) for e in sharded]
+        self.device = sharded[0].ns_input.device  # of the NS inputs: the parameters'
+        self.tp = next((e.cut for e in sharded if e.cut.tp_axis is not None), None)
+        self.tp_load = [0.0] * (self.tp.tp_size if self.tp is not None else 1)
+
+    # ---- a matrix's place -----------------------------------------------------------------
+    def tp_cut(self, i: int) -> _Cut | None:
+        c = self.sharded[self.matrices[i].item].cut
+        return c if c.tp_axis is not None else None
+
+    def whole_shape(self, i: int) -> tuple[int, int]:
+        """Matrix ``i``'s shape across tp."""
+        shape, c = list(self.matrices[i].shape), self.tp_cut(i)
+        if c is not None:
+            shape[c.member_dim] *= c.tp_size
+        return (shape[0], shape[1])
+
+    def own_input(self, i: int, rank: int) -> Tensor:
+        """``rank``'s piece of matrix ``i``'s NS input, from this rank's rows."""
+        m = self.matrices[i]
+        lo, hi = m.pieces[rank]
+        base = self.local_start[m.item]
+        return self.sharded[m.item].ns_input[lo - base : hi - base]
+
+    def apply_piece(self, i: int, result: Tensor) -> None:
+        """Apply this rank's rows ``result`` of matrix ``i``'s update."""
+        m = self.matrices[i]
+        e = self.sharded[m.item]
+        lo, _ = m.pieces[self.me]
+        _apply(local(e.param), lo - self.local_start[m.item], result, e.hyper, self.whole_shape(i))
+
+    def result_piece(self, i: int, rank: int, results: dict[int, Tensor]) -> Tensor:
+        lo, hi = self.matrices[i].pieces[rank]
+        return results[i][lo - self.matrices[i].start : hi - self.matrices[i].start]
+
+    # ---- compute and communication --------------------------------------------------------
+    def ns(self, i: int, matrix: Tensor) -> Tensor:
+        """The whole matrix ``i`` -> its NS (bf16)."""
+        h, stats = self.sharded[self.matrices[i].item].hyper, self.stats
+        t0, c0 = time.perf_counter(), time.thread_time()
+        out = self.muon._ns(matrix, h)
+        stats.ns_seconds += time.perf_counter() - t0
+        stats.ns_cpu_seconds += time.thread_time() - c0
+        stats.ns_flops += ns_flops(*matrix.shape, h["ns_steps"])
+        stats.rooted += 1
+        return out
+
+    def all_to_all(self, send: Tensor, send_splits, recv_splits, group, async_op) -> tuple:
+        recv = torch.empty(sum(recv_splits), dtype=_COMM, device=self.device)
+        work = dist.all_to_all_single(
+            recv, send, recv_splits, send_splits, group=group, async_op=async_op
+        )
+        self.stats.bytes_sent += send.numel() * send.element_size()
+        self.stats.bytes_received += recv.numel() * recv.element_size()
+        self.stats.collectives += 1
+        return work, recv
+
+    def cat(self, parts: list[Tensor]) -> Tensor:
+        return torch.cat(parts) if parts else torch.empty(0, dtype=_COMM, device=self.device)
+
+    def issue(self, ex: Exchange, source) -> tuple:
+        """Start exchange ``ex`` over the shard dim, each piece ``source(i, rank)``."""
+        send = self.cat([source(i, r) for i, r in ex.send])
+        work, recv = self.all_to_all(send, ex.send_splits, ex.recv_splits, self.pg, True)
+        return work, recv, send
+
+    def tp_exchange(self, parts: list[list[Tensor]], sizes: list[list[int]]) -> list[list[Tensor]]:
+        """One all-to-all over tp: ``parts[r]`` go to tp rank r; ``sizes[r]`` are the
+        pieces from r. Returns the received pieces, by rank."""
+        send = self.cat([x for row in parts for x in row])
+        splits = [sum(s) for s in sizes]
+        _, recv = self.all_to_all(
+            send, [sum(x.numel() for x in row) for row in parts], splits, self.tp.tp_group, False
+        )
+        out, at = [], 0
+        for row in sizes:
+            out.append(list(recv[at : at + sum(row)].split(row)))
+            at += sum(row)
+        return out
+
+    def solve(self, batch: list[tuple[int, Tensor]]) -> dict[int, Tensor]:
+        """``{i: this rank's piece of NS(matrix i)}`` from ``[(i, this rank's piece)]``
+        (flat, bf16): NS here for matrices whole on this rank, else the tp stage of
+        [Note: Muon under TP and EP]. Every rank of a tp group passes the same ``i``s."""
+        matrices = self.matrices
+        out = {
+            i: self.ns(i, x.view(matrices[i].shape)).reshape(-1)
+            for i, x in batch
+            if self.tp_cut(i) is None
+        }
+        cut = [(i, x) for i, x in batch if self.tp_cut(i) is not None]
+        if not cut:
             return out
+        size, t = self.tp.tp_size, self.tp.tp_rank
+        roots = {}
+        for i, _ in sorted(cut, key=lambda e: (-ns_flops(*self.whole_shape(e[0]), 1), e[0])):
+            roots[i] = min(range(size), key=lambda r: (self.tp_load[r], r))
+            self.tp_load[roots[i]] += ns_flops(*self.whole_shape(i), 1)
+        mine = [(i, x) for i, x in cut if roots[i] == t]
+        others = [[] if r == t else [x.numel() for _, x in mine] for r in range(size)]
+        got = self.tp_exchange(
+            [[] if r == t else [x for i, x in cut if roots[i] == r] for r in range(size)],
+            others,
+        )
+        chunks = []
+        for k, (i, x) in enumerate(mine):
+            dim = self.tp_cut(i).member_dim
+            pieces = [(x if r == t else got[r][k]).view(matrices[i].shape) for r in range(size)]
+            chunks.append(self.ns(i, torch.cat(pieces, dim=dim)).chunk(size, dim=dim))
+        back = self.tp_exchange(
+            [[] if r == t else [c[r].reshape(-1) for c in chunks] for r in range(size)],
+            [[] if r == t else [x.numel() for i, x in cut if roots[i] == r] for r in range(size)],
+        )
+        for (i, _), c in zip(mine, chunks):
+            out[i] = c[t].reshape(-1)
+        for r in range(size):
+            for (i, _), part in zip([e for e in cut if roots[e[0]] == r], back[r]):
+                out[i] = part
+        return out
 
-        def all_to_all(send: Tensor, send_splits, recv_splits, group, async_op) -> tuple:
-            recv = torch.empty(sum(recv_splits), dtype=_COMM, device=device)
-            work = dist.all_to_all_single(
-                recv, send, recv_splits, send_splits, group=group, async_op=async_op
-            )
-            stats.bytes_sent += send.numel() * send.element_size()
-            stats.bytes_received += recv.numel() * recv.element_size()
-            stats.collectives += 1
-            return work, recv
+    def wait(self, work) -> None:
+        t0 = time.perf_counter()
+        work.wait()
+        self.stats.wait_seconds += time.perf_counter() - t0
 
-        def cat(parts: list[Tensor]) -> Tensor:
-            return torch.cat(parts) if parts else torch.empty(0, dtype=_COMM, device=device)
+    def gathered(self, i: int, received: dict) -> Tensor:
+        """The whole matrix ``i``: this rank's piece and the received ones."""
+        m = self.matrices[i]
+        full = torch.empty(m.numel, dtype=_COMM, device=self.device)
+        for r in range(len(m.pieces)):
+            lo, hi = m.pieces[r]
+            if hi > lo:
+                src = self.own_input(i, self.me) if r == self.me else received[i, r]
+                full[lo - m.start : hi - m.start].copy_(src)
+        return full
 
-        def issue(ex: Exchange, source) -> tuple:
-            send = cat([source(i, r) for i, r in ex.send])
-            work, recv = all_to_all(send, ex.send_splits, ex.recv_splits, pg, True)
-            return work, recv, send
-
-        def tp_exchange(parts: list[list[Tensor]], sizes: list[list[int]]) -> list[list[Tensor]]:
-            """One all-to-all over tp: ``parts[r]`` go to tp rank r; ``sizes[r]`` are the
-            pieces from r. Returns the received pieces, by rank."""
-            send = cat([x for row in parts for x in row])
-            splits = [sum(s) for s in sizes]
-            _, recv = all_to_all(
-                send, [sum(x.numel() for x in row) for row in parts], splits, tp.tp_group, False
-            )
-            out, at = [], 0
-            for row in sizes:
-                out.append(list(recv[at : at + sum(row)].split(row)))
-                at += sum(row)
-            return out
-
-        def solve(batch: list[tuple[int, Tensor]]) -> dict[int, Tensor]:
-            """``{i: this rank's piece of NS(matrix i)}`` from ``[(i, this rank's piece)]``
-            (flat, bf16): NS here for matrices whole on this rank, else the tp stage of
-            [Note: Muon under TP and EP]. Every rank of a tp group passes the same ``i``s."""
-            out = {
-                i: ns(i, x.view(matrices[i].shape)).reshape(-1)
-                for i, x in batch
-                if tp_cut(i) is None
-            }
-            cut = [(i, x) for i, x in batch if tp_cut(i) is not None]
-            if not cut:
-                return out
-            size, t = tp.tp_size, tp.tp_rank
-            roots = {}
-            for i, _ in sorted(cut, key=lambda e: (-ns_flops(*whole_shape(e[0]), 1), e[0])):
-                roots[i] = min(range(size), key=lambda r: (tp_load[r], r))
-                tp_load[roots[i]] += ns_flops(*whole_shape(i), 1)
-            mine = [(i, x) for i, x in cut if roots[i] == t]
-            others = [[] if r == t else [x.numel() for _, x in mine] for r in range(size)]
-            got = tp_exchange(
-                [[] if r == t else [x for i, x in cut if roots[i] == r] for r in range(size)],
-                others,
-            )
-            chunks = []
-            for k, (i, x) in enumerate(mine):
-                dim = tp_cut(i).member_dim
-                pieces = [(x if r == t else got[r][k]).view(matrices[i].shape) for r in range(size)]
-                chunks.append(ns(i, torch.cat(pieces, dim=dim)).chunk(size, dim=dim))
-            back = tp_exchange(
-                [[] if r == t else [c[r].reshape(-1) for c in chunks] for r in range(size)],
-                [
-                    [] if r == t else [x.numel() for i, x in cut if roots[i] == r]
-                    for r in range(size)
-                ],
-            )
-            for (i, _), c in zip(mine, chunks):
-                out[i] = c[t].reshape(-1)
-            for r in range(size):
-                for (i, _), part in zip([e for e in cut if roots[e[0]] == r], back[r]):
-                    out[i] = part
-            return out
-
-        def wait(work) -> None:
-            t0 = time.perf_counter()
-            work.wait()
-            stats.wait_seconds += time.perf_counter() - t0
-
-        stats.matrices += len(matrices)
+    # ---- the step -------------------------------------------------------------------------
+    def _count(self) -> None:
+        plan, stats, n = self.plan, self.stats, len(self.matrices)
+        stats.matrices += n
         in_rounds = {i for r in plan.rounds for i in r.matrices}
-        if self.distributed != "replicated":
-            stats.comm_free += sum(
-                i not in in_rounds and tp_cut(i) is None for i in range(len(matrices))
-            )
+        if self.muon.distributed != "replicated":
+            stats.comm_free += sum(i not in in_rounds and self.tp_cut(i) is None for i in range(n))
         before, load = stats.ns_flops_per_rank, plan.load
         stats.ns_flops_per_rank = [
             (before[r] if r < len(before) else 0.0) + (load[r] if r < len(load) else 0.0)
             for r in range(max(len(before), len(load)))
         ]
+
+    def run(self) -> None:
+        plan, me, matrices = self.plan, self.me, self.matrices
+        self._count()
         # every gather in flight first; communication-free matrices fill the waits
-        gathers = [issue(rnd.gather, own_input) for rnd in plan.rounds]
+        gathers = [self.issue(rnd.gather, self.own_input) for rnd in plan.rounds]
         # matrices whole on this rank rooted here (those cut by tp: after the rounds)
-        free = [i for i in plan.local if tp_cut(i) is None]
-        free_tp = [i for i in plan.local if tp_cut(i) is not None]
+        free = [i for i in plan.local if self.tp_cut(i) is None]
+        free_tp = [i for i in plan.local if self.tp_cut(i) is not None]
 
         def next_free() -> None:
             i = free.pop()
-            apply_piece(i, ns(i, own_input(i, me).clone().view(matrices[i].shape)).reshape(-1))
+            whole = self.own_input(i, me).clone().view(matrices[i].shape)
+            self.apply_piece(i, self.ns(i, whole).reshape(-1))
 
         scatters = []
         for rnd, (work, recv, _send) in zip(plan.rounds, gathers):
             while free and not work.is_completed():
                 next_free()
-            wait(work)
+            self.wait(work)
             received = _split(recv, rnd.gather.recv, matrices)
-            batch = []
-            for i in rnd.matrices:
-                if rnd.scatter is not None and plan.roots[i] != me:
-                    continue
-                m = matrices[i]
-                full = torch.empty(m.numel, dtype=_COMM, device=device)  # the whole matrix
-                for r in range(len(m.pieces)):
-                    lo, hi = m.pieces[r]
-                    if hi > lo:
-                        src = own_input(i, me) if r == me else received[i, r]
-                        full[lo - m.start : hi - m.start].copy_(src)
-                batch.append((i, full))
-            results = solve(batch)
+            batch = [
+                (i, self.gathered(i, received))
+                for i in rnd.matrices
+                if rnd.scatter is None or plan.roots[i] == me
+            ]
+            results = self.solve(batch)
             if rnd.scatter is not None:
-
-                def result_piece(i: int, rank: int, results=results) -> Tensor:
-                    lo, hi = matrices[i].pieces[rank]
-                    return results[i][lo - matrices[i].start : hi - matrices[i].start]
-
-                scatters.append((rnd, issue(rnd.scatter, result_piece)))
-            for i, out in results.items():
+                source = functools.partial(self.result_piece, results=results)
+                scatters.append((rnd, self.issue(rnd.scatter, source)))
+            for i in results:
                 if matrices[i].held(me):
-                    lo, hi = matrices[i].pieces[me]
-                    apply_piece(i, out[lo - matrices[i].start : hi - matrices[i].start])
+                    self.apply_piece(i, self.result_piece(i, me, results))
         while free:  # results of this rank's rounds travel back meanwhile
             next_free()
         if free_tp:
-            for i, out in solve([(i, own_input(i, me).clone()) for i in free_tp]).items():
-                apply_piece(i, out)
+            own = [(i, self.own_input(i, me).clone()) for i in free_tp]
+            for i, out in self.solve(own).items():
+                self.apply_piece(i, out)
         for rnd, (work, recv, _send) in scatters:
-            wait(work)
+            self.wait(work)
             for (i, _), part in _split(recv, rnd.scatter.recv, matrices).items():
-                apply_piece(i, part)
+                self.apply_piece(i, part)
 
 
 def _split(recv: Tensor, segments: list[tuple[int, int]], matrices) -> dict:
