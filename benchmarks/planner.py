@@ -1,8 +1,9 @@
 """Planner sweep: padding and plan time on every catalogued model, against the peers.
 
 Both formulations side by side: one buffer per ``fully_shard`` group (``plan_buffer``)
-and multi-buffer groups (``plan_buffers``, ``max_buffers`` 2 and 4, the default cost of an
-extra buffer; see [Note: multi-buffer groups]), with their proven lower bounds.
+and multi-buffer groups (``plan_buffers``, ``max_buffers`` 2 and 4, the default objective:
+``default_alpha_bytes`` per extra buffer and no bloated split where another is not; see
+[Note: multi-buffer groups]), with their proven lower bounds.
 
     .venv/bin/python benchmarks/planner.py            # full sweep (a few minutes)
     .venv/bin/python benchmarks/planner.py --quick    # fewer world sizes, for a smoke run
@@ -30,15 +31,17 @@ from raggedfsdp.models import get_config, param_groups
 from raggedfsdp.models.catalogue import REAL_MODELS
 from raggedfsdp.planner import (
     DEFAULT_ALIGNMENT_BYTES,
-    DEFAULT_ALPHA_BYTES_PER_RANK,
+    MAX_UNSHARDED_RATIO,
     TensorSpec,
     clear_plan_cache,
+    default_alpha_bytes,
     fsdp1_padding,
     fsdp2_padding,
     plan_buffer,
     plan_buffers,
     plan_exact,
     plan_groups,
+    split_objective,
     with_block_rows,
     zero3_padding,
 )
@@ -47,13 +50,6 @@ BLOCKS = (1, 16, 128)
 TIMED_WORLD = 16384  # the plan time reported for every model (best of TIMED_RUNS cold plans)
 TIMED_RUNS = 2
 MAX_BUFFERS = (2, 4)  # the multi-buffer columns; 4 is fully_shard's default
-ITEMSIZE = 2  # bfloat16, the buffers' dtype here
-
-
-def alpha_bytes(world: int) -> int:
-    """The cost of one more buffer that ``plan_buffers`` counts by default (the references
-    below weigh splits with it too)."""
-    return DEFAULT_ALPHA_BYTES_PER_RANK * world
 
 
 GOAL_WORLDS = (8, 4096)  # goal (3): no more padding with multi-buffer, at these worlds and between
@@ -130,8 +126,8 @@ def _classes(specs) -> list[tuple]:
 
 def best_contiguous_split(specs, m: int, max_buffers: int) -> tuple:
     """Reference for ``plan_buffers``: every cut of the same class order into at most
-    ``max_buffers`` contiguous parts (not only cut after cut), at the same cost (padding
-    bytes + ``alpha_bytes(m)`` per extra buffer); the cheapest one's layouts."""
+    ``max_buffers`` contiguous parts (not only cut after cut), by the same objective
+    (``split_objective``); the best one's layouts."""
     keys = _classes(specs)
     best = None
     for n in range(min(max_buffers, len(keys))):
@@ -141,7 +137,7 @@ def best_contiguous_split(specs, m: int, max_buffers: int) -> tuple:
             for lo, hi in itertools.pairwise(edges):
                 part = [s for s in specs if keys[lo] <= (s.block_elems, s.stack) <= keys[hi - 1]]
                 layouts.append(plan_buffer(part, m))
-            cost = ITEMSIZE * sum(x.padding for x in layouts) + alpha_bytes(m) * n
+            cost = split_objective(layouts)
             if best is None or cost < best[0]:
                 best = (cost, tuple(layouts))
     return best[1]
@@ -163,12 +159,12 @@ def _set_partitions(items: list, k: int):
 def best_class_partition(specs, m: int, max_buffers: int) -> tuple:
     """Reference beyond ``plan_buffers``' search: every partition of the group's classes
     (same keys, any grouping, not only contiguous in block order) into at most
-    ``max_buffers`` buffers, at the same cost; the cheapest one's layouts."""
+    ``max_buffers`` buffers, by the same objective; the best one's layouts."""
     best = None
     for blocks in _set_partitions(_classes(specs), max_buffers):
         parts = [[s for s in specs if (s.block_elems, s.stack) in b] for b in blocks]
         layouts = [plan_buffer(part, m) for part in parts]
-        cost = ITEMSIZE * sum(x.padding for x in layouts) + alpha_bytes(m) * (len(parts) - 1)
+        cost = split_objective(layouts)
         if best is None or cost < best[0]:
             best = (cost, tuple(layouts))
     return best[1]
@@ -630,10 +626,12 @@ def write_md(path, argv, rows, times, fine, ilp, ilp_multi, worlds, goal, elapse
         "Two formulations. *1 buffer*: one buffer per group (`plan_buffer`, "
         "`fully_shard(max_buffers=1)`). *<= K buffers*: `plan_buffers(max_buffers=K)`, "
         f"K in {MAX_BUFFERS} (4 is `fully_shard`'s default), each extra buffer costing "
-        f"the default `alpha_bytes`, {DEFAULT_ALPHA_BYTES_PER_RANK >> 10} KiB per rank of the "
-        f"buffer (`DEFAULT_ALPHA_BYTES_PER_RANK`; {alpha_bytes(8) >> 20} MiB at 8 ranks, "
-        f"{alpha_bytes(1024) >> 20} MiB at 1,024), against the padding bytes it saves; no "
-        "member gaps. Its bound is the chosen split's (the sum of its buffers' proven "
+        "`default_alpha_bytes(m)` bytes of padding (its collectives' latency against what a "
+        f"padding byte costs on the wire and at the memory peak: "
+        f"{default_alpha_bytes(8) / 1e6:.2f} MB at 8 ranks, "
+        f"{default_alpha_bytes(1024) / 1e6:.2f} MB at 1,024), and no split whose unsharded "
+        f"buffers hold over {MAX_UNSHARDED_RATIO} times the group's elements where another "
+        "does not; no member gaps. Its bound is the chosen split's (the sum of its buffers' proven "
         "bounds), not a bound over every split; the *least bound searched* is the least such "
         "sum over every split the search weighed, taken or not. Two references, goals table "
         "only, computed by this script at the same cost: the *exhaustive contiguous split* "

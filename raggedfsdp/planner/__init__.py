@@ -84,10 +84,12 @@ buffer per group, and nothing once ``max_buffers`` splits the group.
 from raggedfsdp.planner._exact import plan_exact
 from raggedfsdp.planner._layout import BufferLayout, TensorPlacement
 from raggedfsdp.planner._multi import (
-    DEFAULT_ALPHA_BYTES_PER_RANK,
     DEFAULT_MAX_BUFFERS,
+    MAX_UNSHARDED_RATIO,
     MultiPlan,
+    default_alpha_bytes,
     plan_buffers,
+    split_objective,
 )
 from raggedfsdp.planner._peers import PeerPadding, fsdp1_padding, fsdp2_padding, zero3_padding
 from raggedfsdp.planner._plan import (
@@ -102,8 +104,8 @@ from raggedfsdp.planner._spec import WHOLE, TensorSpec, with_block_rows
 
 __all__ = [
     "DEFAULT_ALIGNMENT_BYTES",
-    "DEFAULT_ALPHA_BYTES_PER_RANK",
     "DEFAULT_MAX_BUFFERS",
+    "MAX_UNSHARDED_RATIO",
     "MultiPlan",
     "WHOLE",
     "BufferLayout",
@@ -112,6 +114,7 @@ __all__ = [
     "TensorPlacement",
     "TensorSpec",
     "clear_plan_cache",
+    "default_alpha_bytes",
     "fsdp1_padding",
     "fsdp2_padding",
     "gap_eligible",
@@ -119,6 +122,7 @@ __all__ = [
     "plan_buffers",
     "plan_exact",
     "plan_groups",
+    "split_objective",
     "with_block_rows",
     "zero3_padding",
 ]

@@ -41,11 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from raggedfsdp._mesh_arg import parse_hsdp_mesh
-from raggedfsdp.planner._multi import (
-    DEFAULT_ALPHA_BYTES_PER_RANK,
-    DEFAULT_MAX_BUFFERS,
-    plan_buffers,
-)
+from raggedfsdp.planner._multi import DEFAULT_MAX_BUFFERS, plan_buffers, split_objective
 from raggedfsdp.planner._peers import PeerPadding, fsdp1_padding, fsdp2_padding, zero3_padding
 from raggedfsdp.planner._plan import DEFAULT_ALIGNMENT_BYTES, clear_plan_cache
 from raggedfsdp.planner._spec import WHOLE, TensorSpec, dtype_name_and_itemsize, with_block_rows
@@ -140,8 +136,10 @@ def _parser() -> argparse.ArgumentParser:
         help="the most buffers a group may be split over, as fully_shard(max_buffers=) "
         f"(default {DEFAULT_MAX_BUFFERS}, fully_shard's; 1 with --exact, which then solves one "
         "buffer per group, and above 1 every split of groups of at most 10 tensors; 1: one "
-        "buffer per group); a split is kept only where it saves "
-        "more padding bytes than one more collective costs (128 KiB per rank)",
+        "buffer per group); a split is kept only where the padding it saves costs more, on "
+        "the wire and at the memory peak, than one more buffer's collectives "
+        "(planner.default_alpha_bytes), or where one buffer would hold over twice the "
+        "group's elements",
     )
     p.add_argument("--exact", action="store_true", help="solve each distinct group with HiGHS")
     p.add_argument("--time-limit", type=float, default=60.0, help="--exact seconds per group")
@@ -458,16 +456,14 @@ def _print(report: dict[str, Any]) -> None:
 def _exact_splits(groups, specs, plans, buffers, world, max_buffers, args) -> dict[str, Any]:
     """``--exact`` with ``--max-buffers`` above 1: each distinct group of at most 10
     tensors solved over every split (``plan_buffers_exact``); ``buffers`` takes the
-    exact split where it costs less than the planner's. Returns the report's ``exact``."""
+    exact split where it is better by the planner's objective (see [Note: multi-buffer
+    groups]). Returns the report's ``exact``."""
     from raggedfsdp.planner._exact import plan_buffers_exact
 
-    itemsize = dtype_name_and_itemsize(args.dtype)[1]
-    alpha = DEFAULT_ALPHA_BYTES_PER_RANK * world
     seen: dict[tuple, tuple] = {}  # shapes -> (layouts, cost, proven, its names)
     out: dict[str, Any] = {}
     for g in groups:
         mine = specs[g.name]
-        planner_cost = plans[g.name].padding * itemsize + alpha * (len(buffers[g.name]) - 1)
         if len(mine) > 10:
             out[g.name] = {"solved": False, "tensors": len(mine), "proven_optimal": False}
             continue
@@ -477,7 +473,6 @@ def _exact_splits(groups, specs, plans, buffers, world, max_buffers, args) -> di
                 mine,
                 world,
                 max_buffers=max_buffers,
-                alpha_bytes=alpha,
                 dtype=args.dtype,
                 alignment_bytes=args.alignment_bytes,
                 time_limit=args.time_limit,
@@ -489,10 +484,10 @@ def _exact_splits(groups, specs, plans, buffers, world, max_buffers, args) -> di
             "buffers": len(layouts),
             "shard_sizes": [x.shard_size for x in layouts],
             "cost_bytes": cost,
-            "planner_cost_bytes": planner_cost,
+            "planner_cost_bytes": plans[g.name].cost,
             "proven_optimal": proven,
         }
-        if cost < planner_cost:
+        if split_objective(layouts) < split_objective(buffers[g.name]):
             rename = dict(zip(names, [s.name for s in mine], strict=True))
             buffers[g.name] = tuple(x.renamed(rename) for x in layouts)
     return out

@@ -26,7 +26,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from raggedfsdp.planner._layout import BufferLayout, TensorPlacement
-from raggedfsdp.planner._multi import DEFAULT_ALPHA_BYTES_PER_RANK
+from raggedfsdp.planner._multi import _alpha, _objective
 from raggedfsdp.planner._plan import DEFAULT_ALIGNMENT_BYTES, _check_world, alignment_elems
 from raggedfsdp.planner._plan import plan_buffer as _plan_buffer
 from raggedfsdp.planner._search import lower_bound_shard_size
@@ -184,17 +184,22 @@ def plan_buffers_exact(
     dtype: Any = "bfloat16",
     alignment_bytes: int = DEFAULT_ALIGNMENT_BYTES,
     time_limit: float = 60.0,
-) -> tuple[tuple[BufferLayout, ...], int, bool]:
+) -> tuple[tuple[BufferLayout, ...], float, bool]:
     """The exact multi-buffer reference: every partition of the tensors into at most
-    ``max_buffers`` buffers, each buffer solved by ``plan_exact``, weighed by the cost
-    ``plan_buffers`` minimises (padding bytes, plus ``alpha_bytes`` per buffer beyond
-    the first; see [Note: multi-buffer groups]).
+    ``max_buffers`` buffers, each buffer solved by ``plan_exact``, weighed by the objective
+    ``plan_buffers`` minimises (``(bloated, cost)``: no bloated split where another is
+    not, then padding bytes plus ``alpha`` per buffer beyond the first; see [Note:
+    multi-buffer groups]).
 
     For small instances only: ``2**T - 1`` buffers are solved (each distinct subset of
     the ``T`` tensors once), and partitions enumerated up to ``max_buffers`` parts.
 
+    Args:
+        alpha_bytes: as for ``plan_buffers``. Default (None): ``default_alpha_bytes``
+            and the guard against bloated splits.
+
     Returns:
-        ``(layouts, cost, proven)``: the cheapest split found, its cost in bytes, and
+        ``(layouts, cost, proven)``: the best split found, its cost in bytes, and
         whether every subset's solve was proven optimal (then the split is optimal).
 
     Raises:
@@ -212,9 +217,9 @@ def plan_buffers_exact(
         raise ValueError(
             f"plan_buffers_exact: max_buffers must be an int >= 1, got {max_buffers!r}"
         )
-    if alpha_bytes is None:
-        alpha_bytes = DEFAULT_ALPHA_BYTES_PER_RANK * m
+    alpha, guard = _alpha(alpha_bytes, m)
     itemsize = dtype_name_and_itemsize(dtype)[1]
+    total = sum(s.numel for s in specs)
     solved: dict[tuple[int, ...], tuple[BufferLayout, bool]] = {}
 
     def solve(part: tuple[int, ...]) -> tuple[BufferLayout, bool]:
@@ -228,14 +233,15 @@ def plan_buffers_exact(
             )
         return solved[part]
 
-    best: tuple[int, tuple[BufferLayout, ...]] | None = None
+    best: tuple[tuple[bool, float], tuple[BufferLayout, ...]] | None = None
     for parts in _partitions(tuple(range(len(specs))), max_buffers):
         layouts = tuple(solve(p)[0] for p in parts)
-        cost = sum(x.padding for x in layouts) * itemsize + alpha_bytes * (len(parts) - 1)
-        if best is None or cost < best[0]:
-            best = (cost, layouts)
+        padding = sum(x.padding for x in layouts)
+        key = _objective(padding, len(parts), total, itemsize, alpha, guard)
+        if best is None or key < best[0]:
+            best = (key, layouts)
     assert best is not None
-    return best[1], best[0], all(proven for _, proven in solved.values())
+    return best[1], best[0][1], all(proven for _, proven in solved.values())
 
 
 def _partitions(items: tuple[int, ...], most: int):

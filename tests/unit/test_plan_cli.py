@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from raggedfsdp.planner import default_alpha_bytes
 from raggedfsdp.planner._cli import main
 
 JSON_KEYS = {
@@ -283,8 +284,8 @@ def test_multi_buffer_plan_report(capsys):
 def test_exact_splits(capsys, tmp_path):
     """--exact with --max-buffers 2 solves every split of a small group: 16- and 7-row
     blocks in one buffer pad 1 MiB at 4 ranks; apart they pad nothing, for one more
-    collective (512 KiB at 4 ranks), and the exact split is the planner's. A group of
-    over 10 tensors is reported unsolved."""
+    buffer (``default_alpha_bytes(4)``, about 0.4 MB), and the exact split is the
+    planner's. A group of over 10 tensors is reported unsolved."""
     group = [{"name": f"a{i}", "shape": [64, 16384], "block_rows": 16} for i in range(2)]
     group += [{"name": f"b{i}", "shape": [56, 16384], "block_rows": 7} for i in range(2)]
     large = [{"name": f"c{i}", "shape": [8, 4], "block_rows": 1} for i in range(11)]
@@ -303,8 +304,8 @@ def test_exact_splits(capsys, tmp_path):
         "solved": True,
         "buffers": 2,
         "shard_sizes": [2 * 64 * 16384 // 4, 2 * 56 * 16384 // 4],
-        "cost_bytes": 128 * 1024 * 4,  # no padding, one more collective
-        "planner_cost_bytes": 128 * 1024 * 4,
+        "cost_bytes": default_alpha_bytes(4),  # no padding, one more buffer
+        "planner_cost_bytes": default_alpha_bytes(4),
         "proven_optimal": True,
     }
     assert two["exact"]["h"] == {"solved": False, "tensors": 11, "proven_optimal": False}

@@ -68,7 +68,8 @@ def test_a_mixed_group_splits_by_block_size():
     assert len(one.layouts) == 1 and one.padding > 0
     assert [[t.name for t in layout.tensors] for layout in two.layouts] == [["a"], ["b"]]
     assert two.padding == 0 == two.lower_bound_padding
-    # the default cost (128 KiB per rank per buffer) keeps a few bytes of padding in one
+    # the default cost (default_alpha_bytes: 0.65 MB at 64 ranks) keeps a few bytes of
+    # padding in one buffer
     assert len(plan_buffers(specs, 64, max_buffers=2, **kw).layouts) == 1
 
 
