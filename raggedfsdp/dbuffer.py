@@ -19,7 +19,7 @@ global buffer of ``m * S`` elements, rank k owning ``[k * S, (k + 1) * S)``::
   buffer, reduce-scattered in one collective into the shard gradient storage, whose
   views are the sharded ``.grad``s. That flat buffer is the global parameter storage
   itself (each gradient written over its parameter once autograd is done with it, see
-  [Note: gradients in place] in ``fsdp/_param_group.py``), or a global gradient
+  [Note: gradients in place] in ``fsdp/_grads.py``), or a global gradient
   storage of its own.
 """
 

@@ -2,7 +2,7 @@
 
 Peaks in bytes depend on the model and the allocator; these checks hold whatever the
 sizes. See [Note: gradients in place] and [Note: gradient storage] in
-``fsdp/_param_group.py``:
+``fsdp/_grads.py``:
 
 - by default no group allocates gradient storage: each gradient is written over its
   unsharded parameter; with ``grads_in_params=False`` a group's flat gradient storage

@@ -1,0 +1,70 @@
+"""The records of a parameter group: where its parameters are (``ShardedState``), each
+parameter and the module attributes holding it (``ParamRef``), and the collectives in
+flight (``PendingGather``, ``PendingReduce``). See [Note: group states] in
+``_param_group.py``."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from raggedfsdp.fsdp._tp import TPSpec
+from raggedfsdp.placement import RaggedShard
+
+__all__ = ["ParamRef", "PendingGather", "PendingReduce", "ShardedState"]
+
+
+class ShardedState(enum.Enum):
+    """Where a group's parameters are (see [Note: group states])."""
+
+    SHARDED = "sharded"  # modules hold the RaggedShard parameters; global storage freed
+    SHARDED_POST_FORWARD = "sharded_post_forward"  # sharded, plus a piece kept for backward
+    UNSHARDED = "unsharded"  # modules hold views of the global storage
+
+
+class PendingGather(NamedTuple):
+    """An all-gather in flight (``unshard`` issued it, ``wait_for_unshard`` ends it)."""
+
+    work: dist.Work
+    version: int  # version counter of the global storage before the gather (see [Note])
+    input: torch.Tensor  # 1D: the shard, its cast, or the post-forward piece; alive until wait
+    received: torch.Tensor | None = None  # FP8: the gathered codes and scales (1D uint8)
+
+
+class PendingReduce(NamedTuple):
+    """A reduce-scatter issued by ``post_backward``, until ``finalize_grads`` consumes it."""
+
+    work: dist.Work | None  # None once waited
+    output: torch.Tensor  # 1D, S elements, reduce dtype: the shard gradient storage if direct
+    direct: bool  # output is the shard gradient storage itself (nothing to add or cast)
+    input: torch.Tensor | None  # the cast gradients (reduce dtype != compute dtype); alive
+    earlier: torch.Tensor | None  # a finished reduce of this backward to add (see post_backward)
+
+
+@dataclass(eq=False)
+class ParamRef:
+    """One parameter of a group and every module attribute that holds it."""
+
+    fqn: str
+    uses: list[tuple[nn.Module, str]]  # (module, attribute); tied parameters have several
+    shape: torch.Size
+    requires_grad: bool
+    placement: RaggedShard | None = None
+    tp: TPSpec | None = None  # placed by tensor parallelism too: see [Note: FSDP x TP]
+    sharded: nn.Parameter | None = None  # DTensor(RaggedShard) over a shard-storage view
+    unsharded: nn.Parameter | None = None  # over a global-storage view (plain, or TP DTensor)
+    sharded_grad: DTensor | None = None  # DTensor over a shard-gradient view (cached)
+    got_grad: bool = False  # this rank accumulated a gradient into it this backward
+    grad_in_place: bool = False  # its gradient replaced its unsharded value this backward
+    assigned_grad: torch.Tensor | None = None  # the unsharded .grad we set (a storage view)
+    hooks: list = field(default_factory=list)
+
+    def register(self, param: nn.Parameter) -> None:
+        for module, name in self.uses:
+            module._parameters[name] = param
