@@ -238,10 +238,9 @@ def fully_shard(
                 grads_in_params=grads_in_params,
             )
         )
-    if len(parts) == 1:
-        group = parts[0]
-    elif parts:
-        group = GroupSet([g for part in parts for g in getattr(part, "groups", [part])], name)
+    if parts:
+        buffers = [g for part in parts for g in part]
+        group = GroupSet(buffers, buffers[0].name if len(buffers) == 1 else name)
     for ref, p in zip(refs, originals):
         setattr(p, _MOVED_ATTR, (name, ref.fqn))
     state = FSDPState(modules, group, mesh, mp_policy, reshard_after_forward)
@@ -467,8 +466,8 @@ def _check_gaps_beside_tp(refs, specs, gaps) -> None:
 def _new_group(
     refs, originals, mesh, mp_policy, block_policy, alignment_bytes, max_buffers, alpha, gaps, **kw
 ):
-    """The group of one ``fully_shard`` call: one ``ParamGroup``, or a ``GroupSet`` of one
-    per buffer where the planner splits it (see [Note: multi-buffer groups])."""
+    """The buffers of one mesh of a ``fully_shard`` call: one ``ParamGroup`` per buffer
+    (several where the planner splits the group: see [Note: multi-buffer groups])."""
     specs, dtypes = group_specs(refs, originals, mesh, block_policy)
     if gaps:
         _check_gaps_beside_tp(refs, specs, gaps)
@@ -539,16 +538,16 @@ def _new_group(
         )
     if len(layouts) == 1:
         layout, how, by_hooks = layouts[0]
-        return ParamGroup(
-            refs, originals, mesh, mp_policy, layout, fp8=how, subclass=by_hooks, **kw
-        )
+        return [
+            ParamGroup(refs, originals, mesh, mp_policy, layout, fp8=how, subclass=by_hooks, **kw)
+        ]
     groups = []
     for k, (layout, how, by_hooks) in enumerate(layouts):
         mine = sorted(index[t.name] for t in layout.tensors)  # module order
         sub = {**kw, "name": f"{kw['name']}[buffer {k}]", "fp8": how, "subclass": by_hooks}
         parts = ([refs[i] for i in mine], [originals[i] for i in mine])
         groups.append(ParamGroup(*parts, mesh, mp_policy, layout, **sub))
-    return GroupSet(groups, kw["name"])
+    return groups
 
 
 def _fp8_selected(refs, specs, dtypes, fp8: Float8BlockAllGather, kw) -> set[int]:

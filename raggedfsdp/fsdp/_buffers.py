@@ -290,7 +290,7 @@ def buffers_of(obj: nn.Module | Iterable[torch.Tensor]) -> list[BufferView]:
         for m in obj.modules():
             state = state_of(m)
             if state is not None and state.group is not None:
-                for g in getattr(state.group, "groups", [state.group]):  # GroupSet: each buffer
+                for g in state.group.groups:
                     views.setdefault(id(g), g.view)
         return list(views.values())
     for t in obj:

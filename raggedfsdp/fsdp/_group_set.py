@@ -1,13 +1,13 @@
-"""One ``fully_shard`` group held in several buffers: see [Note: multi-buffer groups]
-in ``raggedfsdp/planner/_multi.py``.
+"""One ``fully_shard`` group: its buffers' ``ParamGroup``s, one or several (see [Note:
+multi-buffer groups] in ``raggedfsdp/planner/_multi.py``).
 
-A ``GroupSet`` answers ``FSDPState`` as one ``ParamGroup`` would, and runs each action
-on every buffer's ``ParamGroup`` (buffers may live on different meshes: [Note: a mesh
-per parameter] in ``_api.py``): all-gathers are issued back to back and waited
-together, reduce-scatters likewise, each still in place. Each buffer keeps its own
-gradient storage, allocated at its own first gradient ([Note: gradient storage]), so
-a buffer whose parameters get their gradients late in backward holds no gradient
-memory until then.
+Every ``FSDPState`` with parameters holds a ``GroupSet``, so one buffer and many are one
+case. It runs each action on every buffer's ``ParamGroup`` (buffers may live on
+different meshes: [Note: a mesh per parameter] in ``_api.py``): all-gathers are issued
+back to back and waited together, reduce-scatters likewise, each still in place. Each
+buffer keeps its own gradient storage, allocated at its own first gradient ([Note:
+gradient storage]), so a buffer whose parameters get their gradients late in backward
+holds no gradient memory until then.
 """
 
 from __future__ import annotations
@@ -16,42 +16,30 @@ from raggedfsdp.fsdp._param_group import ParamGroup, ParamRef
 
 __all__ = ["GroupSet"]
 
-# Settings FSDPState writes on its group: written to every buffer's group.
-_SETTINGS = frozenset(
-    {
-        "post_forward_group",
-        "requires_gradient_sync",
-        "gradient_divide_factor",
-        "requires_all_reduce",
-        "force_sum_reduction",
-        "all_reduce_hook",
-        "reduce_scatter_unused_params",
-    }
-)
-
 
 class GroupSet:
-    """The ``ParamGroup``s of one ``fully_shard`` call, acting as one group.
+    """The ``ParamGroup``s of one ``fully_shard`` call (one per buffer, one or more),
+    acting as one group.
 
     Args:
-        groups: the buffers' groups (two or more), in buffer order.
+        groups: the buffers' groups, in buffer order.
         name: how messages name the group.
     """
 
     def __init__(self, groups: list[ParamGroup], name: str):
-        object.__setattr__(self, "groups", list(groups))
-        object.__setattr__(self, "name", name)
+        if not groups:
+            raise ValueError(f"GroupSet {name}: no buffer")
+        self.groups = list(groups)
+        self.name = name
 
-    def __setattr__(self, key: str, value) -> None:
-        if key not in _SETTINGS:
-            raise AttributeError(f"GroupSet: {key!r} is not a setting of the group")
-        for g in self.groups:
-            setattr(g, key, value)
-
-    def __getattr__(self, key: str):
-        if key in _SETTINGS:  # the same on every buffer
-            return getattr(self.groups[0], key)
-        raise AttributeError(key)
+    def configure(self, **settings) -> None:
+        """Write ``FSDPState``'s settings (``requires_gradient_sync=...``, ...) on every
+        buffer's group; each must be an attribute the group already has."""
+        for key, value in settings.items():
+            for g in self.groups:
+                if not hasattr(g, key):
+                    raise AttributeError(f"GroupSet {self.name}: {key!r} is not a setting")
+                setattr(g, key, value)
 
     # ---- what every buffer shares ----------------------------------------------------------
     @property
@@ -155,14 +143,3 @@ class GroupSet:
     def reset_iter_state(self) -> None:
         for g in self.groups:
             g.reset_iter_state()
-
-    def local_grad_flags(self) -> list[bool]:
-        return [flag for g in self.groups for flag in g.local_grad_flags()]
-
-    def finalize_grads(self, got_grad: list[bool]) -> list[str]:
-        """Per buffer, its parameters' flags (in ``refs`` order)."""
-        at, arrived = 0, []
-        for g in self.groups:
-            arrived += g.finalize_grads(got_grad[at : at + len(g.refs)])
-            at += len(g.refs)
-        return arrived

@@ -35,6 +35,7 @@ from raggedfsdp.fsdp._policy import MixedPrecisionPolicy
 from raggedfsdp.fsdp._trace import phase
 
 if TYPE_CHECKING:
+    from raggedfsdp.fsdp._group_set import GroupSet
     from raggedfsdp.fsdp._param_group import ParamGroup
 
 __all__ = [
@@ -95,7 +96,7 @@ class FSDPState:
     def __init__(
         self,
         modules: Sequence[nn.Module],
-        group: ParamGroup | None,
+        group: GroupSet | None,
         mesh,
         mp_policy: MixedPrecisionPolicy,
         reshard_after_forward: bool | int | None,
@@ -167,27 +168,27 @@ class FSDPState:
 
     def set_requires_gradient_sync(self, value: bool) -> None:
         if self.group is not None:
-            self.group.requires_gradient_sync = value
+            self.group.configure(requires_gradient_sync=value)
 
     def set_gradient_divide_factor(self, factor: float) -> None:
         if self.group is not None:
-            self.group.gradient_divide_factor = float(factor)
+            self.group.configure(gradient_divide_factor=float(factor))
 
     def set_requires_all_reduce(self, value: bool) -> None:
         if self.group is not None:
-            self.group.requires_all_reduce = value
+            self.group.configure(requires_all_reduce=value)
 
     def set_force_sum_reduction(self, value: bool) -> None:
         if self.group is not None:
-            self.group.force_sum_reduction = value
+            self.group.configure(force_sum_reduction=value)
 
     def set_reduce_scatter_unused_params(self, value: bool) -> None:
         if self.group is not None:
-            self.group.reduce_scatter_unused_params = value
+            self.group.configure(reduce_scatter_unused_params=value)
 
     def set_all_reduce_hook(self, hook) -> None:
         if self.group is not None:
-            self.group.all_reduce_hook = hook
+            self.group.configure(all_reduce_hook=hook)
 
     def set_max_reduces_in_flight(self, value: int) -> None:
         self.max_reduces_in_flight = value
@@ -453,7 +454,7 @@ class FSDPState:
             elif s.group is not None and s.reshard_after_backward:
                 s.group.reshard()
             s.training_state = TrainingState.IDLE
-        pending = [s.group for s in self._states if s.group is not None and s.group.reduce_pending]
+        pending = [g for s in self._states for g in _buffers(s.group) if g.reduce_pending]
         if pending:
             got_grad, arrived = _local_grad_flags(pending), []
             for g in pending:  # every group's collectives complete, then any error
@@ -508,11 +509,9 @@ def _local_grad_flags(pending: list[ParamGroup]) -> list[bool]:
     return [ref.got_grad or g.reduce_scatter_unused_params for g in pending for ref in g.refs]
 
 
-def _buffers(group) -> list:
-    """The ``ParamGroup``s of a group (a ``GroupSet``'s buffers), none for None."""
-    if group is None:
-        return []
-    return list(getattr(group, "groups", [group]))
+def _buffers(group: GroupSet | None) -> list[ParamGroup]:
+    """The ``ParamGroup``s of a state's group (its buffers), none for None."""
+    return [] if group is None else group.groups
 
 
 class _PostBackward(torch.autograd.Function):
