@@ -18,18 +18,28 @@ With ``--meshes`` (HSDP, ``replicate=R,shard=S`` each) it runs those meshes inst
 rewrites only the page's HSDP section (kept, with its hand-written analysis, when the
 whole page is rewritten): peaks of both systems, and FSDP2's own ``FSDPMemTracker`` peak
 beside MemTracker's; ``--timeline MODEL`` draws that model's step at the last mesh.
+
+With ``--sweep`` it runs ``python -m raggedfsdp simulate``'s sweep (``sweep_row``: per-rank
+peak of the whole step, padding and bytes all-gathered per step, both systems) for every
+catalogue model and every ``benchmarks/models/*.json`` config at ``--worlds`` (default
+8 to 16,384 ranks), and rewrites only the page's sweep section (kept, with its analysis,
+like the HSDP one)::
+
+    .venv/bin/python benchmarks/scale.py --sweep --layers 2
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
 
 from _common import ANALYSIS, RESULTS, git_state, header, write_results  # beside this script
 
+from raggedfsdp.models import CATALOGUE, get_config
 from raggedfsdp.simulate import (
     ROLES,
     SimConfig,
@@ -37,10 +47,12 @@ from raggedfsdp.simulate import (
     parse_mesh,
     plot_timeline,
     simulate,
+    sweep_row,
     time_fully_shard,
 )
 
 SYSTEMS = ("raggedfsdp", "fsdp2")
+RAW = Path("/tmp/raggedfsdp_scale.jsonl")
 ROLE_NAMES = {
     "sharded_params": "sharded params",
     "unsharded_params": "unsharded params",
@@ -335,21 +347,32 @@ def _insert(lines: list[str], section: list[str]) -> None:
 def write_hsdp(path: Path, section: list[str], command_line: str) -> None:
     """Put the HSDP ``section`` into the page at ``path`` (replacing the old one, keeping
     its hand-written ``HSDP_ANALYSIS``), and its command under the page's own command."""
+    _write_section(path, (HSDP, HSDP_ANALYSIS, HSDP_COMMAND), section, command_line)
+
+
+def _write_section(
+    path: Path, names: tuple[str, str, str], section: list[str], command_line: str
+) -> None:
+    """Put ``section`` under its heading into the page at ``path`` (replacing the old one,
+    keeping its hand-written analysis), and its command under the page's own command.
+    ``names``: the section's heading, its analysis heading and its command's prefix."""
+    heading, analysis_heading, prefix = names
     lines = path.read_text().rstrip("\n").split("\n")
-    analysis = ["_Not written yet: read the HSDP tables, then say what they show._"]
-    if (old := _section(lines, HSDP)) is not None:
-        if (kept := _section(lines[old[0] : old[1]], HSDP_ANALYSIS, "### ")) is not None:
+    analysis = ["_Not written yet: read the tables, then say what they show._"]
+    if (old := _section(lines, heading)) is not None:
+        if (kept := _section(lines[old[0] : old[1]], analysis_heading, "### ")) is not None:
             body = lines[old[0] : old[1]][kept[0] + 1 : kept[1]]
             analysis = "\n".join(body).strip("\n").split("\n")
         del lines[old[0] : old[1]]
-    _insert(lines, [HSDP, "", *section, "", HSDP_ANALYSIS, "", *analysis, ""])
-    _put_command(lines, command_line)
+    _insert(lines, [heading, "", *section, "", analysis_heading, "", *analysis, ""])
+    _put_command(lines, command_line, prefix)
     path.write_text("\n".join(lines) + "\n")
 
 
-def _put_command(lines: list[str], command_line: str) -> None:
-    """The HSDP section's command, under the page's own (replacing the old one)."""
-    old = [i for i, line in enumerate(lines) if line.startswith(HSDP_COMMAND)]
+def _put_command(lines: list[str], command_line: str, prefix: str = HSDP_COMMAND) -> None:
+    """A section's command (a line starting with ``prefix``), under the page's own
+    (replacing the old one)."""
+    old = [i for i, line in enumerate(lines) if line.startswith(prefix)]
     for i in reversed(old):  # the line and the blank line above it
         del lines[i - (i > 0 and not lines[i - 1].strip()) : i + 1]
     first = next(i for i, line in enumerate(lines) if line.startswith("Command: "))
@@ -425,7 +448,7 @@ def main(argv=None) -> None:
         default=list(SYSTEMS),
         help="whose fully_shard to time (FSDP2's takes minutes at 16,384 ranks)",
     )
-    p.add_argument("--raw", type=Path, default=Path("/tmp/raggedfsdp_scale.jsonl"))
+    p.add_argument("--raw", type=Path, default=RAW)
     p.add_argument("--out", type=Path, default=RESULTS / "scale.md")
     p.add_argument(
         "--meshes",
@@ -435,15 +458,24 @@ def main(argv=None) -> None:
         "rewrite only the page's HSDP section",
     )
     p.add_argument("--timeline", help="with --meshes: draw this model's step at the last mesh")
+    p.add_argument(
+        "--sweep",
+        action="store_true",
+        help="the sweep over --worlds (default 8 to 16,384) of --models (default: every "
+        "catalogue model and benchmarks/models/*.json); rewrite only the page's sweep section",
+    )
     args = p.parse_args(argv)
     command = " ".join([".venv/bin/python", "benchmarks/scale.py", *sys.argv[1:]])
     print(command, flush=True)
     t0 = time.perf_counter()
+    if args.sweep:
+        main_sweep(args, argv if argv is not None else sys.argv[1:], command)
+        return
     if args.meshes:
         main_hsdp(args, [parse_mesh(m, None) for m in args.meshes], command)
         return
     old = args.out.read_text().rstrip("\n").split("\n") if args.out.exists() else []
-    kept = _section(old, HSDP)
+    kept = [(_section(old, h), p) for h, p in ((HSDP, HSDP_COMMAND), (SWEEP, SWEEP_COMMAND))]
     done = run_all(args)
     shard_times = []
     for model in args.models if args.shard_models is None else args.shard_models:
@@ -458,10 +490,12 @@ def main(argv=None) -> None:
             print(shard_times[-1], flush=True)
     plot(done, args, args.out.with_suffix(".png"))
     write_results(args.out, report(done, shard_times, args, command, time.perf_counter() - t0))
-    if kept is not None:  # the HSDP section is made by its own command: keep it as it was
+    for where, prefix in kept:  # sections made by their own commands: keep them as they were
+        if where is None:
+            continue
         lines = args.out.read_text().rstrip("\n").split("\n")
-        _insert(lines, old[kept[0] : kept[1]])
-        _put_command(lines, next(line for line in old if line.startswith(HSDP_COMMAND)))
+        _insert(lines, old[where[0] : where[1]])
+        _put_command(lines, next(line for line in old if line.startswith(prefix)), prefix)
         args.out.write_text("\n".join(lines) + "\n")
     print(args.out.read_text())
 
@@ -500,6 +534,191 @@ def main_hsdp(args, meshes: list[tuple[int, int]], command: str) -> None:
         args.out,
         section,
         f"{HSDP_COMMAND} `{command}` (simulations took {seconds:.0f} s).",
+    )
+    print(args.out.read_text())
+
+
+# ================================================================================================
+# The sweep: every model, 8 to 16,384 ranks; a section of its own, rewritten in place
+# ================================================================================================
+SWEEP = "## Sweep: every model at 8 to 16,384 ranks"
+SWEEP_ANALYSIS = "### What the sweep shows"
+SWEEP_COMMAND = "Sweep section:"
+SWEEP_WORLDS = (8, 64, 256, 1024, 4096, 16384)
+MODEL_FILES = sorted((Path(__file__).parent / "models").glob("*.json"))
+# Sequence lengths other than --seq: GPT-2's learned table has 1,024 positions; the
+# 32,000-vocab LM runs the 128 tokens of the test that built it.
+SWEEP_SEQ = {"gpt2": 1024, "lm-32k-head.json": 128}
+
+
+def _sweep_seq(model: str, default: int) -> int:
+    return SWEEP_SEQ.get(Path(model).name, default)
+
+
+def run_sweep(args) -> dict[str, dict]:
+    """Both systems at every (model, world), from the ``--raw`` cache where they ran."""
+    done: dict[str, dict] = {}
+    if args.raw.exists():
+        for line in args.raw.read_text().splitlines():
+            r = json.loads(line)
+            done[_sweep_key(r["config"])] = r
+    code = git_state()
+    for model in args.models:
+        for world in args.worlds:
+            for system in SYSTEMS:
+                cfg = SimConfig(
+                    model=model,
+                    world=world,
+                    layers=_sweep_layers(model, args),
+                    system=system,
+                    seq=_sweep_seq(model, args.seq),
+                    fsdp_tracker=False,
+                )
+                key = _sweep_key(vars(cfg))
+                if key in done:
+                    continue
+                t0 = time.perf_counter()
+                try:
+                    r = simulate(cfg)
+                except Exception as e:  # a failure is a result too: say it in the table
+                    r = {"config": vars(cfg), "error": f"{type(e).__name__}: {e}"}
+                r["seconds"] = time.perf_counter() - t0
+                r["git"] = code
+                print(f"{key}: {r.get('peak', {}).get('total', r.get('error'))} "
+                      f"({r['seconds']:.0f} s)", flush=True)  # fmt: skip
+                done[key] = r
+                with args.raw.open("a") as f:
+                    f.write(json.dumps(r) + "\n")
+    return done
+
+
+def _sweep_layers(model: str, args) -> int | None:
+    """K blocks (``--layers``' first), or the model's own count where that is fewer."""
+    k = args.layers[0]
+    if model.endswith(".json"):
+        return k
+    return min(k, get_config(model).n_layers)
+
+
+def _sweep_key(c: dict) -> str:
+    return f"{c['model']}|{c['world']}|{c['layers']}|{c['seq']}|{c['system']}"
+
+
+def _sweep_pair(done, model, world, args):
+    cfg = {"model": model, "world": world, "layers": _sweep_layers(model, args),
+           "seq": _sweep_seq(model, args.seq)}  # fmt: skip
+    return [done.get(_sweep_key(cfg | {"system": s})) for s in SYSTEMS]
+
+
+def _label(model: str) -> str:
+    return f"`{Path(model).as_posix()}`" if model.endswith(".json") else model
+
+
+def sweep_tables(done: dict, args) -> tuple[list[str], list[dict]]:
+    """The sweep's table (one row per model and world) and its rows."""
+    lines = [
+        "| model | K | seq | ranks | peak raggedfsdp (GiB) | peak FSDP2 (GiB) | peak ratio | "
+        "peak R - F (MiB) | padding raggedfsdp | padding FSDP2 | gathered raggedfsdp (GiB) "
+        "| gathered FSDP2 (GiB) | gathered ratio | gathered R - F (MiB) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    rows = []
+    for model in args.models:
+        k, seq = _sweep_layers(model, args), _sweep_seq(model, args.seq)
+        for world in args.worlds:
+            a, b = _sweep_pair(done, model, world, args)
+            head = f"| {_label(model)} | {k} | {seq} | {world:,} |"
+            if a is None or b is None:
+                continue
+            if "error" in a or "error" in b:
+                lines.append(f"{head} failed: {a.get('error') or b.get('error')} |")
+                continue
+            row = sweep_row(a, b)
+            rows.append(row)
+            dp = (row["peak_raggedfsdp"] - row["peak_fsdp2"]) / 2**20
+            dg = (row["gathered_raggedfsdp"] - row["gathered_fsdp2"]) / 2**20
+            lines.append(
+                f"{head} {row['peak_raggedfsdp'] / 2**30:,.3f} | {row['peak_fsdp2'] / 2**30:,.3f}"
+                f" | {row['peak_ratio']:.4f} | {dp:+,.2f} | {row['padding_raggedfsdp']:.3%} | "
+                f"{row['padding_fsdp2']:.3%} | {row['gathered_raggedfsdp'] / 2**30:,.3f} | "
+                f"{row['gathered_fsdp2'] / 2**30:,.3f} | {row['gathered_ratio']:.4f} | {dg:+,.2f} |"
+            )
+    return lines, rows
+
+
+def plot_sweep_ratios(rows: list[dict], args, path: Path) -> bool:
+    """Peak ratio and gathered-bytes ratio (raggedfsdp / FSDP2) over ranks, every model."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.6), sharey=True)
+    for ax, what, title in zip(
+        axes, ("peak", "gathered"), ("per-rank peak", "bytes all-gathered per step")
+    ):
+        for i, model in enumerate(args.models):
+            pts = [(r["world"], r[f"{what}_ratio"]) for r in rows if r["model"] == model]
+            if pts:
+                style = ("o-", "s--", "^-.", "v:")[i % 4]
+                name = Path(model).stem if model.endswith(".json") else model
+                ax.plot(*zip(*pts), style, ms=3.5, label=name)
+        ax.axhline(1.0, color="k", lw=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("ranks")
+        ax.set_title(f"{title}: raggedfsdp / FSDP2", fontsize=10)
+    axes[0].set_ylabel("ratio (below 1: raggedfsdp uses less)")
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, fontsize=8, loc="center right")
+    fig.tight_layout(rect=(0, 0, 0.85, 1))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def main_sweep(args, argv: list[str], command: str) -> None:
+    """The sweep: simulate, tabulate, draw, rewrite the page's sweep section."""
+    if "--models" not in argv:
+        args.models = [*CATALOGUE, *(os.path.relpath(f) for f in MODEL_FILES)]
+    if "--worlds" not in argv:
+        args.worlds = list(SWEEP_WORLDS)
+    if args.raw == RAW:
+        args.raw = Path("/tmp/raggedfsdp_scale_sweep.jsonl")
+    done = run_sweep(args)
+    table, rows = sweep_tables(done, args)
+    png = args.out.with_name(f"{args.out.stem}_sweep.png")
+    drawn = plot_sweep_ratios(rows, args, png)
+    runs = [r for m in args.models for w in args.worlds for r in _sweep_pair(done, m, w, args) if r]
+    seconds = sum(r.get("seconds", 0) for r in runs)
+    code = sorted({r.get("git", "an unrecorded state") for r in runs})
+    seqs = ", ".join(f"{m} {q}" for m, q in SWEEP_SEQ.items())
+    section = [
+        f"Simulated with raggedfsdp at {'; '.join(code)}.",
+        "",
+        f"What `python -m raggedfsdp simulate --model M --world "
+        f"{','.join(map(str, args.worlds))}` prints, for every catalogue model and every "
+        f"config in `benchmarks/models/`: rank 0 of a 1-D mesh, each model cut to its first "
+        f"K blocks (embeddings and head kept; the model's own count where it has fewer), "
+        f"`fully_shard` on each block then the root, bf16 compute with fp32 master weights "
+        f"and fp32 reduction, `torch.optim.AdamW`, batch 1 x {args.seq} tokens (other "
+        f"lengths: {seqs}), activation checkpointing per block, one warm-up step. Peak: "
+        f"MemTracker's over the measured step (forward, backward, `opt.step()`), allocated "
+        f"bytes on this rank. Padding: padding elements over parameter elements. Gathered: "
+        f"the outputs of the step's all-gathers on this rank (padding included). Ratios and "
+        f"differences: raggedfsdp over / minus FSDP2, from the same run.",
+        "",
+        *table,
+    ]
+    if drawn:
+        section += ["", "![ratios over ranks](scale_sweep.png)"]
+    _write_section(
+        args.out,
+        (SWEEP, SWEEP_ANALYSIS, SWEEP_COMMAND),
+        section,
+        f"{SWEEP_COMMAND} `{command}` (simulations took {seconds:.0f} s).",
     )
     print(args.out.read_text())
 

@@ -1,16 +1,29 @@
-"""The command line of ``python -m raggedfsdp simulate``: arguments, the text report and the
-memory timeline plot. The simulation itself is ``raggedfsdp.simulate``."""
+"""The command line of ``python -m raggedfsdp simulate``: arguments, the text report, the
+memory timeline plot, and the sweep over world sizes (its rows, table and plot). The
+simulation itself is ``raggedfsdp.simulate``."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from raggedfsdp.simulate import GROUPINGS, ROLES, SYSTEMS, SimConfig, simulate, time_fully_shard
 
-__all__ = ["cross_check", "format_result", "main", "parse_mesh", "plot_timeline"]
+__all__ = [
+    "cross_check",
+    "format_result",
+    "format_sweep",
+    "main",
+    "parse_mesh",
+    "plot_sweep",
+    "plot_timeline",
+    "sweep",
+    "sweep_row",
+]
 
 
 def _mib(n: float) -> str:
@@ -129,6 +142,131 @@ def plot_timeline(results: list[dict[str, Any]], path: str) -> None:
     plt.close(fig)
 
 
+# ================================================================================================
+# The sweep over world sizes
+# ================================================================================================
+def _gathered(r: dict[str, Any]) -> int:
+    """Bytes all-gathered on this rank in the measured step: the outputs, padding included."""
+    return r["comm"].get("all_gather", [0, 0, 0])[2]
+
+
+def sweep_row(ours: dict[str, Any], fsdp2: dict[str, Any]) -> dict[str, Any]:
+    """One world size of a sweep: raggedfsdp's and FSDP2's ``simulate`` results of the same
+    configuration, side by side.
+
+    Returns:
+        ``model``, ``world``, ``layers``, ``params`` (elements), and for each system
+        (``_raggedfsdp``, ``_fsdp2``): ``peak`` (bytes per rank over the whole step),
+        ``gathered`` (bytes all-gathered per step, padding included) and ``padding``
+        (padding elements over parameter elements); ``peak_ratio`` and
+        ``gathered_ratio`` (raggedfsdp / FSDP2).
+
+    Raises:
+        ValueError: the results are not raggedfsdp's and FSDP2's of one configuration.
+    """
+    a, b = ours["config"], fsdp2["config"]
+    if (a["system"], b["system"]) != ("raggedfsdp", "fsdp2") or {**a, "system": 0} != {
+        **b,
+        "system": 0,
+    }:
+        raise ValueError(
+            "sweep_row: pass raggedfsdp's result, then FSDP2's, of the same configuration; "
+            f"got {a['system']} then {b['system']}, configs differing in "
+            f"{sorted(k for k in a if a[k] != b.get(k) and k != 'system')}"
+        )
+    row: dict[str, Any] = {
+        "model": a["model"],
+        "world": a["world"],
+        "layers": a["layers"],
+        "params": ours["params"],
+    }
+    for name, r in (("raggedfsdp", ours), ("fsdp2", fsdp2)):
+        row[f"peak_{name}"] = r["peak"].get("total", 0)
+        row[f"gathered_{name}"] = _gathered(r)
+        row[f"padding_{name}"] = r["layout"]["padding_elems"] / max(r["layout"]["numel"], 1)
+    for what in ("peak", "gathered"):
+        theirs = row[f"{what}_fsdp2"]
+        row[f"{what}_ratio"] = row[f"{what}_raggedfsdp"] / theirs if theirs else None
+    return row
+
+
+def sweep(cfg: SimConfig, worlds: Iterable[int]) -> Iterator[dict[str, Any]]:
+    """``sweep_row`` at each world size: ``cfg`` simulated by both systems (its ``world``
+    and ``system`` replaced)."""
+    for world in worlds:
+        ours, fsdp2 = (simulate(dataclasses.replace(cfg, world=world, system=s)) for s in SYSTEMS)
+        yield sweep_row(ours, fsdp2)
+
+
+def _unit(rows: list[dict[str, Any]], keys: tuple[str, ...]) -> tuple[str, int]:
+    top = max((row[k] for row in rows for k in keys), default=0)
+    return ("GiB", 2**30) if top >= 2**30 else ("MiB", 2**20)
+
+
+def _ratio(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3f}"
+
+
+def format_sweep(rows: list[dict[str, Any]]) -> str:
+    """The sweep as a Markdown table, one row per world size."""
+    peak, ps = _unit(rows, ("peak_raggedfsdp", "peak_fsdp2"))
+    gath, gs = _unit(rows, ("gathered_raggedfsdp", "gathered_fsdp2"))
+    lines = [
+        f"| ranks | peak raggedfsdp ({peak}) | peak FSDP2 ({peak}) | peak ratio | padding "
+        f"raggedfsdp | padding FSDP2 | gathered raggedfsdp ({gath}) | gathered FSDP2 ({gath}) "
+        "| gathered ratio |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['world']:,} | {r['peak_raggedfsdp'] / ps:,.2f} | {r['peak_fsdp2'] / ps:,.2f} "
+            f"| {_ratio(r['peak_ratio'])} | {r['padding_raggedfsdp']:.2%} | "
+            f"{r['padding_fsdp2']:.2%} | {r['gathered_raggedfsdp'] / gs:,.2f} | "
+            f"{r['gathered_fsdp2'] / gs:,.2f} | {_ratio(r['gathered_ratio'])} |"
+        )
+    return "\n".join(lines)
+
+
+def plot_sweep(rows: list[dict[str, Any]], path: str, title: str = "") -> None:
+    """Peak per rank and bytes gathered per step over world size, both systems (two panels).
+    Needs matplotlib (the ``train`` extra)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    worlds = [r["world"] for r in rows]
+    for ax, what, label in zip(
+        axes, ("peak", "gathered"), ("peak per rank", "all-gathered per step")
+    ):
+        unit, scale = _unit(rows, (f"{what}_raggedfsdp", f"{what}_fsdp2"))
+        for system, style in (("raggedfsdp", "o-"), ("fsdp2", "s--")):
+            ax.plot(worlds, [r[f"{what}_{system}"] / scale for r in rows], style, label=system)
+        values = [r[f"{what}_{s}"] for r in rows for s in SYSTEMS if r[f"{what}_{s}"]]
+        if values and max(values) > 20 * min(values):
+            ax.set_yscale("log")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("ranks")
+        ax.set_ylabel(f"{label} ({unit})")
+        ax.legend()
+    fig.suptitle(title or rows[0]["model"], fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _sweep_title(cfg: SimConfig, params: int) -> str:
+    blocks = "all" if cfg.layers is None else cfg.layers
+    return (
+        f"{cfg.model} ({blocks} blocks, {params:,} params), rank {cfg.rank}, batch "
+        f"{cfg.batch} x {cfg.seq}, mp {cfg.mp}, optim {cfg.optim}, AC {'on' if cfg.ac else 'off'}"
+    )
+
+
+# ================================================================================================
+# Arguments
+# ================================================================================================
 _MESH_EXAMPLE = "e.g. --mesh replicate=4,shard=64"
 
 
@@ -156,14 +294,37 @@ def parse_mesh(text: str, world: int | None) -> tuple[int, int]:
     return r, s
 
 
+def _worlds(text: str) -> list[int]:
+    """``--world``: a rank count or a comma list of them (a sweep)."""
+    try:
+        worlds = [int(w) for w in text.split(",")]
+    except ValueError:
+        worlds = []
+    if not worlds or min(worlds) < 1:
+        raise argparse.ArgumentTypeError(
+            f"takes a rank count or a comma list of them, e.g. 64 or 8,64,256; got {text!r}"
+        )
+    return worlds
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m raggedfsdp simulate",
         description="One rank of an N-rank training step on fake tensors: peak memory by "
         "category, collectives, allocations (see raggedfsdp/simulate.py).",
     )
-    p.add_argument("--model", required=True, help="a catalogue model name")
-    p.add_argument("--world", type=int, help="ranks (default 64, or the --mesh's)")
+    p.add_argument(
+        "--model",
+        required=True,
+        help="a catalogue name, a JSON config file (TransformerConfig's fields, *.json) or "
+        "hf:DIR (a Hugging Face config.json; needs transformers)",
+    )
+    p.add_argument(
+        "--world",
+        type=_worlds,
+        help="ranks (default 64, or the --mesh's); a comma list (8,64,1024) sweeps them, "
+        "both systems side by side",
+    )
     p.add_argument(
         "--mesh",
         help="HSDP: replicate=R,shard=S (R x S ranks; shard over S, all-reduce over R)",
@@ -185,20 +346,34 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--warmup", type=int, default=1, help="unmeasured steps first (default 1)")
     p.add_argument("--time-shard", action="store_true", help="time fully_shard of all blocks")
-    p.add_argument("--png", help="draw the step's memory by role over its ops to this PNG")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument(
+        "--png",
+        help="draw the step's memory by role over its ops to this PNG (a sweep: peak and "
+        "gathered bytes over world size)",
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object (a sweep: its rows)")
     return p
 
 
 def _configs(args: argparse.Namespace) -> list[SimConfig]:
     """One ``SimConfig`` per system; every argument checked (raises before any work)."""
     replicate = None
-    world = 64 if args.world is None else args.world
+    worlds = [64] if args.world is None else args.world
     if args.mesh is not None:
-        replicate, shard = parse_mesh(args.mesh, args.world)
-        world = replicate * shard
+        if len(worlds) > 1:
+            raise ValueError(
+                f"--mesh {args.mesh} fixes one world size; a sweep (--world "
+                f"{','.join(map(str, worlds))}) runs 1-D meshes: drop one"
+            )
+        replicate, shard = parse_mesh(args.mesh, args.world and args.world[0])
+        worlds = [replicate * shard]
     if args.png is not None and args.time_shard:
         raise ValueError("--png draws a simulated step, which --time-shard does not run; drop one")
+    if len(worlds) > 1 and args.system != "both" and not args.time_shard:
+        raise ValueError(
+            f"a sweep (--world {','.join(map(str, worlds))}) compares both systems; drop "
+            f"--system {args.system}"
+        )
     systems = SYSTEMS if args.system == "both" else (args.system,)
     return [
         SimConfig(
@@ -216,6 +391,7 @@ def _configs(args: argparse.Namespace) -> list[SimConfig]:
             replicate=replicate,
             grouping=args.grouping,
         )
+        for world in worlds
         for s in systems
     ]
 
@@ -225,9 +401,11 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         configs = _configs(args)
-    except (ValueError, NotImplementedError) as e:
+    except (ValueError, NotImplementedError, ImportError) as e:
         print(f"raggedfsdp simulate: error: {e}", file=sys.stderr)
         return 2
+    if len(args.world or ()) > 1 and not args.time_shard:
+        return _main_sweep(args, configs[0])
     results: list[dict[str, Any]] = []
     if args.time_shard:
         for cfg in configs:
@@ -255,4 +433,23 @@ def main(argv: list[str] | None = None) -> int:
         for r in results:
             r.pop("timeline", None)
         print(json.dumps(results if len(results) > 1 else results[0]))
+    return 0
+
+
+def _main_sweep(args: argparse.Namespace, cfg: SimConfig) -> int:
+    """``--world`` with several world sizes: the sweep's table (or rows), and its plot."""
+    rows: list[dict[str, Any]] = []
+    cfg = dataclasses.replace(cfg, fsdp_tracker=False)  # its rows need MemTracker's peak only
+    for row in sweep(cfg, args.world):
+        rows.append(row)
+        print(f"simulated {row['world']:,} ranks ({len(rows)} of {len(args.world)})",
+              file=sys.stderr, flush=True)  # fmt: skip
+    if args.png is not None:
+        plot_sweep(rows, args.png, _sweep_title(cfg, rows[0]["params"]))
+    if args.json:
+        print(json.dumps(rows))
+        return 0
+    print(_sweep_title(cfg, rows[0]["params"]), "", format_sweep(rows), sep="\n")
+    if args.png is not None:
+        print(f"peak and gathered bytes over world size drawn to {args.png}")
     return 0

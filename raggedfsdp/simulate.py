@@ -1,7 +1,9 @@
 """``python -m raggedfsdp simulate``: one rank of an N-rank training step, on fake tensors.
 
-Real model shapes at real world sizes, in one process on the CPU: the catalogue model
-is built on ``meta`` with K transformer blocks (embeddings and head included),
+Real model shapes at real world sizes, in one process on the CPU: the model (a catalogue
+name, a JSON config file or ``hf:DIR``, a Hugging Face config; see [Note: simulated model
+sources] in ``raggedfsdp/_simulate_model.py``) is built on ``meta`` with K transformer
+blocks (embeddings and head included),
 ``fully_shard``-ed as a user would (each block, then the root) by raggedfsdp or by
 torch's FSDP2 over torch's fake process group of ``world`` ranks, materialised with
 ``to_empty`` under ``FakeTensorMode`` (no byte is allocated, no value is read), and
@@ -10,6 +12,10 @@ stepped (forward, backward, optimizer step) under a memory tracker::
     python -m raggedfsdp simulate --model llama3-70b --world 1024 --layers 2 --ac
     python -m raggedfsdp simulate --model gpt-oss-120b --world 256 --system both --json
     python -m raggedfsdp simulate --model llama3-70b --mesh replicate=4,shard=64 --png t.png
+    python -m raggedfsdp simulate --model gpt2 --seq 1024 --world 8,64,1024,16384 --png s.png
+
+A comma list of world sizes sweeps them: per world size, both systems' per-rank peak and
+their ratio, the padding and the bytes all-gathered per step (``sweep``, ``sweep_row``).
 
 ``--mesh replicate=R,shard=S`` simulates HSDP: both systems ``fully_shard`` over a 2-D
 ``DeviceMesh`` ``(R, S)`` named ``("replicate", "shard")`` of the fake process group
@@ -64,8 +70,7 @@ an all-reduce of the shard gradients over the R replicas (counted as ``all_reduc
 - **Models the trainable modules do not build** run as their nearest buildable
   variant (``buildable_config``): GPT-OSS with torchtitan's unfused experts
   ``w1, w2, w3 [E, F, D]`` in place of ``gate_up_proj [E, D, 2F]``, ``down_proj``, no
-  expert biases and no attention sinks (0.01% of its parameters). DeepSeek's MLA
-  attention is not built (NotImplementedError).
+  expert biases and no attention sinks (0.01% of its parameters).
 """
 
 from __future__ import annotations
@@ -76,7 +81,6 @@ import gc
 import math
 import sys
 import time
-import types
 from collections import Counter
 from collections.abc import Iterator
 from typing import Any
@@ -84,19 +88,33 @@ from typing import Any
 import torch
 from torch import nn
 
+from raggedfsdp._simulate_model import (
+    blocks_of,
+    build_model,
+    buildable_config,
+    check_model,
+    logits_of,
+    shard_model,
+)
+
 __all__ = [
     "GROUPINGS",
     "SimConfig",
+    "blocks_of",
     "build_model",
     "buildable_config",
     "cross_check",
     "fake_world",
     "format_result",
+    "format_sweep",
     "main",
     "parse_mesh",
+    "plot_sweep",
     "plot_timeline",
     "shard_model",
     "simulate",
+    "sweep",
+    "sweep_row",
     "time_fully_shard",
 ]
 
@@ -119,7 +137,9 @@ class SimConfig:
     """One simulated step.
 
     Args:
-        model: a catalogue name (``raggedfsdp.models.get_config``).
+        model: a catalogue name (``raggedfsdp.models.get_config``), a JSON config file
+            (``*.json``, ``raggedfsdp.models.load_config_json``) or ``hf:DIR`` (a Hugging
+            Face ``DIR/config.json``). See [Note: simulated model sources].
         world: ranks of the fake process group. Default 64.
         layers: transformer blocks built (K); None: the model's own count. Default 2.
         system: ``"raggedfsdp"`` or ``"fsdp2"``. Default ``"raggedfsdp"``.
@@ -142,6 +162,8 @@ class SimConfig:
             ``"torchtitan"`` (the embedding, each block, ``[norm, output]``, then the
             root, resharding after forward as torchtitan does by default: not the last
             block, nor ``[norm, output]``). Default ``"blocks"``.
+        fsdp_tracker: FSDP2 only: one more step under torch's ``FSDPMemTracker``, a
+            cross-check of the peak. Default True.
     """
 
     model: str
@@ -158,6 +180,7 @@ class SimConfig:
     width: int = 1
     replicate: int | None = None
     grouping: str = "blocks"
+    fsdp_tracker: bool = True
 
     def __post_init__(self) -> None:
         if self.system not in SYSTEMS:
@@ -185,6 +208,7 @@ class SimConfig:
                 "the HSDP mesh is (replicate, world // replicate): pass a divisor of world, "
                 "or None for a 1-D mesh"
             )
+        check_model(self.model, self.seq, self.grouping, self.width)
 
     @property
     def mesh(self) -> dict[str, int] | None:
@@ -200,123 +224,8 @@ class SimConfig:
 
 
 # ================================================================================================
-# The model
+# The world
 # ================================================================================================
-def buildable_config(name: str, layers: int | None = None, width: int = 1):
-    """The catalogue config ``name`` as ``raggedfsdp.models.Transformer`` can build it.
-
-    Args:
-        name: a catalogue name.
-        layers: blocks to keep (the first ``layers``); None keeps them all. Default None.
-        width: divide dim, heads and FFN widths by this (vocab too). Default 1.
-
-    Returns:
-        ``(config, note)``: the config, and what was changed to build it ("" if nothing).
-        A cut MoE model keeps at least one MoE block (its leading dense blocks give way).
-    """
-    from raggedfsdp.models import get_config
-
-    c = get_config(name)
-    notes = []
-    if c.fused_gate_up or c.expert_bias or c.attn_sinks:
-        c = dataclasses.replace(c, fused_gate_up=False, expert_bias=False, attn_sinks=False)
-        notes.append("unfused experts w1/w2/w3, no expert biases, no attention sinks")
-    if layers is not None and layers != c.n_layers:
-        dense = min(c.n_dense_layers, layers - 1 if c.n_experts else layers)
-        c = dataclasses.replace(c, n_layers=layers, n_dense_layers=max(dense, 0))
-        notes.append(
-            f"{layers} of {get_config(name).n_layers} blocks"
-            + (f" ({c.n_dense_layers} dense)" if c.n_experts and c.n_dense_layers else "")
-        )
-    if width > 1:
-        head_dim = max(2, (c.head_dim or c.dim // c.n_heads) // width // 2 * 2)
-        heads = max(c.n_kv_heads // width, 1) * max(c.n_heads // c.n_kv_heads, 1)
-        c = dataclasses.replace(
-            c,
-            dim=max(c.dim // width, 8),
-            n_heads=heads,
-            n_kv_heads=max(c.n_kv_heads // width, 1),
-            head_dim=head_dim,
-            ffn_dim=max(c.ffn_dim // width, 1) if c.ffn_dim else 0,
-            moe_ffn_dim=max(c.moe_ffn_dim // width, 1) if c.moe_ffn_dim else 0,
-            vocab_size=max(c.vocab_size // width, 16),
-        )
-        if c.attention == "mla":  # the latent ranks and head dims shrink alike
-            c = dataclasses.replace(
-                c,
-                q_lora_rank=max(c.q_lora_rank // width, 1),
-                kv_lora_rank=max(c.kv_lora_rank // width, 1),
-                qk_nope_head_dim=max(c.qk_nope_head_dim // width, 1),
-                qk_rope_head_dim=max(c.qk_rope_head_dim // width // 2 * 2, 2),
-                v_head_dim=max(c.v_head_dim // width, 1),
-            )
-        notes.append(f"widths divided by {width}")
-    return c, "; ".join(notes)
-
-
-def _balanced_moe_forward(self, x: torch.Tensor) -> torch.Tensor:
-    """``MoE.forward`` with every expert given an even share of the routed tokens.
-
-    The real forward reads the routing counts on the host (``.tolist()``), which a fake
-    tensor has no value for. The shapes and ops here are those of a balanced router.
-    """
-    shape = x.shape
-    x = x.reshape(-1, shape[-1])  # (T, D)
-    T, k, E = x.shape[0], self.router.top_k, self.experts.n_experts
-    experts, weights = self.router(x)  # (T, k) each
-    order = torch.argsort(experts.reshape(-1), stable=True)  # (T*k,)
-    counts = [T * k // E + (e < T * k % E) for e in range(E)]
-    routed = self.experts(x[order // k], counts)  # (T*k, D)
-    routed = routed[torch.argsort(order)].view(T, k, -1)
-    out = (routed * weights.unsqueeze(-1).to(routed.dtype)).sum(dim=1)  # (T, D)
-    if self.shared_experts is not None:
-        out = out + self.shared_experts(x)
-    return out.view(shape)
-
-
-def build_model(cfg: SimConfig) -> tuple[nn.Module, str]:
-    """The model on ``meta``: routing made balanced, blocks checkpoint-wrapped if ``cfg.ac``."""
-    from raggedfsdp.models import Transformer
-    from raggedfsdp.models.transformer import MoE
-
-    config, note = buildable_config(cfg.model, cfg.layers, cfg.width)
-    with torch.device("meta"):
-        model = Transformer(config, max_seq_len=cfg.seq)
-    for m in model.modules():
-        if isinstance(m, MoE):
-            m.forward = types.MethodType(_balanced_moe_forward, m)
-    if cfg.ac:
-        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-            checkpoint_wrapper,
-        )
-
-        for i, block in enumerate(model.layers):
-            model.layers[i] = checkpoint_wrapper(block)
-    return model, note
-
-
-def shard_model(model: nn.Module, mesh, system: str, mp: str, grouping: str = "blocks") -> None:
-    """``fully_shard`` the model by ``system``, grouped as ``SimConfig.grouping`` says."""
-    if system == "raggedfsdp":
-        from raggedfsdp import MixedPrecisionPolicy, fully_shard
-    else:
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    kwargs: dict[str, Any] = {"mesh": mesh}
-    if mp == "bf16":
-        kwargs["mp_policy"] = MixedPrecisionPolicy(
-            param_dtype=torch.bfloat16, reduce_dtype=torch.float32
-        )
-    if grouping == "torchtitan":
-        fully_shard(model.tok_embeddings, **kwargs)
-        for i, block in enumerate(model.layers):
-            fully_shard(block, **kwargs, reshard_after_forward=i < len(model.layers) - 1)
-        fully_shard([model.norm, model.output], **kwargs, reshard_after_forward=False)
-    else:
-        for block in model.layers:
-            fully_shard(block, **kwargs)
-    fully_shard(model, **kwargs)
-
-
 @contextlib.contextmanager
 def fake_world(world: int, rank: int = 0, replicate: int | None = None) -> Iterator[Any]:
     """torch's fake process group of ``world`` ranks as ``rank``; yields its CPU mesh.
@@ -583,14 +492,10 @@ def _layout_facts(model: nn.Module, system: str, world: int) -> dict[str, Any]:
                 }
             )
     else:
-        for m in model.modules():
-            if m is not model and m not in set(model.layers):
-                continue
-            own = [
-                p
-                for name, p in m.named_parameters()
-                if m is not model or not name.startswith("layers.")
-            ]
+        blocks = blocks_of(model)
+        in_blocks = {id(p) for b in blocks for p in b.parameters()}
+        for m in [*blocks, model]:
+            own = [p for p in m.parameters() if m is not model or id(p) not in in_blocks]
             local = sum(p.to_local().numel() for p in own)
             padded = sum(
                 math.ceil(p.shape[0] / world) * world * math.prod(p.shape[1:]) for p in own
@@ -603,7 +508,7 @@ def _layout_facts(model: nn.Module, system: str, world: int) -> dict[str, Any]:
                     "local_elems": local,
                     "global_elems": padded,
                     "padding": padded - sum(p.numel() for p in own),
-                    "shard_bytes": padded // world * own[0].dtype.itemsize,
+                    "shard_bytes": padded // world * (own[0].dtype.itemsize if own else 0),
                 }
             )
     return {
@@ -628,7 +533,8 @@ def simulate(cfg: SimConfig) -> dict[str, Any]:
         same peak), ``comm`` (``{kind: [count, input bytes, output bytes]}``),
         ``comm_events`` (``[kind, input bytes, output bytes, group ranks]`` per
         collective), ``allocations`` and ``distinct_sizes`` (during the measured step),
-        ``timeline`` (see ``_role_timeline``), ``fsdp_mem_tracker`` (FSDP2 only:
+        ``timeline`` (see ``_role_timeline``), ``fsdp_mem_tracker`` (FSDP2 with
+        ``cfg.fsdp_tracker`` only, else None:
         ``{"peak": {category: bytes}}`` or ``{"error": ...}``), ``shard_s``,
         ``warmup_s``, ``step_s``, ``fsdp_tracker_s`` (wall seconds).
     """
@@ -655,7 +561,7 @@ def simulate(cfg: SimConfig) -> dict[str, Any]:
             def step(zero: bool = True, mark=lambda phase: None) -> None:
                 from raggedfsdp.models import lm_loss
 
-                loss = lm_loss(model(tokens[:, :-1]), tokens[:, 1:])
+                loss = lm_loss(logits_of(model(tokens[:, :-1])), tokens[:, 1:])
                 mark("backward")
                 loss.backward()
                 if opt is not None:
@@ -693,7 +599,8 @@ def simulate(cfg: SimConfig) -> dict[str, Any]:
             if opt is not None:
                 opt.zero_grad(set_to_none=True)
             t0 = time.perf_counter()
-            cross = _fsdp_mem_tracker(model, opt, step) if cfg.system == "fsdp2" else None
+            tracked = cfg.system == "fsdp2" and cfg.fsdp_tracker
+            cross = _fsdp_mem_tracker(model, opt, step) if tracked else None
             cross_s = time.perf_counter() - t0
         result = {
             "config": dataclasses.asdict(cfg),
@@ -758,7 +665,7 @@ def time_fully_shard(
         seconds = time.perf_counter() - t0
         gc.collect()
         objects = len(gc.get_objects()) - before
-        blocks = len(m.layers)
+        blocks = len(blocks_of(m))
         del m
     gc.collect()
     return {
@@ -777,9 +684,13 @@ def time_fully_shard(
 from raggedfsdp._simulate_cli import (  # noqa: E402  (it imports this module's names)
     cross_check,
     format_result,
+    format_sweep,
     main,
     parse_mesh,
+    plot_sweep,
     plot_timeline,
+    sweep,
+    sweep_row,
 )
 
 if __name__ == "__main__":

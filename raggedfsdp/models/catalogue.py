@@ -89,6 +89,15 @@ class TransformerConfig:
         top_k: routed experts per token (MoE only). Default 2.
         tie_embeddings: the output head reuses ``tok_embeddings.weight`` (the head
             group then holds only ``norm.weight``). Default False.
+        norm: ``"rms"`` (RMSNorm, a scale) or ``"layer"`` (LayerNorm, a scale and a
+            bias, as GPT-2) for the blocks' and the final norms. Default ``"rms"``.
+        ffn: a dense block's FFN: ``"swiglu"`` (``w1, w2, w3``) or ``"gelu"``
+            (``w2(gelu(w1 x))``, GPT-2's MLP). Default ``"swiglu"``.
+        ffn_bias, output_bias: biases on the dense FFN's projections and on the
+            output head. Default False.
+        learned_positions: a learned table of this many positions added to the token
+            embeddings (``pos_embeddings``, GPT-2's ``wpe``), in place of rotary
+            embeddings; 0: rotary. Default 0.
         notes: anything a reader should know about the numbers.
     """
 
@@ -120,6 +129,11 @@ class TransformerConfig:
     fused_gate_up: bool = False
     top_k: int = 2
     tie_embeddings: bool = False
+    norm: Literal["rms", "layer"] = "rms"
+    ffn: Literal["swiglu", "gelu"] = "swiglu"
+    ffn_bias: bool = False
+    output_bias: bool = False
+    learned_positions: int = 0
     notes: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
@@ -128,6 +142,17 @@ class TransformerConfig:
         if self.attention not in ("gqa", "mla"):
             raise ValueError(
                 f"{self.name}: attention must be 'gqa' or 'mla', got {self.attention!r}"
+            )
+        for what, value, allowed in (
+            ("norm", self.norm, ("rms", "layer")),
+            ("ffn", self.ffn, ("swiglu", "gelu")),
+        ):
+            if value not in allowed:
+                raise ValueError(f"{self.name}: {what} must be one of {allowed}, got {value!r}")
+        if self.learned_positions < 0:
+            raise ValueError(
+                f"{self.name}: learned_positions must be >= 0 (0: rotary), "
+                f"got {self.learned_positions}"
             )
         if self.n_experts and not self.moe_ffn_dim:
             raise ValueError(f"{self.name}: an MoE config needs moe_ffn_dim > 0")
@@ -167,10 +192,18 @@ def _attention(c: TransformerConfig, p: str) -> Iterator[ParamShape]:
         yield ParamShape(fqn=f"{p}.sinks", shape=(H,))
 
 
-def _ffn(p: str, D: int, F: int) -> Iterator[ParamShape]:
-    yield ParamShape(fqn=f"{p}.w1.weight", shape=(F, D))
-    yield ParamShape(fqn=f"{p}.w2.weight", shape=(D, F))
-    yield ParamShape(fqn=f"{p}.w3.weight", shape=(F, D))
+def _ffn(p: str, D: int, F: int, kind: str = "swiglu", bias: bool = False) -> Iterator[ParamShape]:
+    linears = [("w1", F, D), ("w2", D, F)] + ([("w3", F, D)] if kind == "swiglu" else [])
+    for name, out, inp in linears:
+        yield ParamShape(fqn=f"{p}.{name}.weight", shape=(out, inp))
+        if bias:
+            yield ParamShape(fqn=f"{p}.{name}.bias", shape=(out,))
+
+
+def _norm(c: TransformerConfig, p: str) -> Iterator[ParamShape]:
+    yield ParamShape(fqn=f"{p}.weight", shape=(c.dim,))
+    if c.norm == "layer":
+        yield ParamShape(fqn=f"{p}.bias", shape=(c.dim,))
 
 
 def _moe(c: TransformerConfig, p: str) -> Iterator[ParamShape]:
@@ -196,28 +229,27 @@ def _moe(c: TransformerConfig, p: str) -> Iterator[ParamShape]:
 def param_groups(c: TransformerConfig) -> tuple[GroupShapes, ...]:
     """Every parameter of the model, grouped per ``fully_shard`` call, in module order."""
     D = c.dim
-    groups = [
-        GroupShapes(
-            name="tok_embeddings",
-            kind="embed",
-            params=(ParamShape(fqn="tok_embeddings.weight", shape=(c.vocab_size, D)),),
-        )
-    ]
+    embed = [ParamShape(fqn="tok_embeddings.weight", shape=(c.vocab_size, D))]
+    if c.learned_positions:
+        embed.append(ParamShape(fqn="pos_embeddings.weight", shape=(c.learned_positions, D)))
+    groups = [GroupShapes(name="tok_embeddings", kind="embed", params=tuple(embed))]
     for i in range(c.n_layers):
         p = f"layers.{i}"
-        params = [ParamShape(fqn=f"{p}.attention_norm.weight", shape=(D,))]
+        params = list(_norm(c, f"{p}.attention_norm"))
         params += _attention(c, f"{p}.attention")
-        params.append(ParamShape(fqn=f"{p}.ffn_norm.weight", shape=(D,)))
+        params += _norm(c, f"{p}.ffn_norm")
         if c.is_moe_layer(i):
             params += _moe(c, f"{p}.moe")
             kind = "moe"
         else:
-            params += _ffn(f"{p}.feed_forward", D, c.ffn_dim)
+            params += _ffn(f"{p}.feed_forward", D, c.ffn_dim, c.ffn, c.ffn_bias)
             kind = "dense"
         groups.append(GroupShapes(name=p, kind=kind, params=tuple(params)))
-    head = [ParamShape(fqn="norm.weight", shape=(D,))]
+    head = list(_norm(c, "norm"))
     if not c.tie_embeddings:  # tied: output.weight is tok_embeddings.weight, listed once
         head.append(ParamShape(fqn="output.weight", shape=(c.vocab_size, D)))
+    if c.output_bias:
+        head.append(ParamShape(fqn="output.bias", shape=(c.vocab_size,)))
     groups.append(GroupShapes(name="head", kind="head", params=tuple(head)))
     return tuple(groups)
 

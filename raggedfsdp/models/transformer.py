@@ -4,17 +4,23 @@ The modules follow torchtitan's layout, so ``named_parameters()`` gives exactly 
 and shapes that ``catalogue.param_groups(config)`` lists (a unit test checks it)::
 
     tok_embeddings                      Embedding(vocab, dim)
+    pos_embeddings                      Embedding(learned_positions, dim) (GPT-2 style only)
     layers.<i>                          TransformerBlock (one fully_shard group each)
-      attention_norm, ffn_norm          RMSNorm(dim)
-      attention.{wq, wk, wv, wo}        GQA with rotary position embeddings
+      attention_norm, ffn_norm          RMSNorm(dim) (or LayerNorm(dim): ``norm="layer"``)
+      attention.{wq, wk, wv, wo}        GQA with rotary (or learned) position embeddings
       attention.{wq_a, q_norm, wq_b,    or DeepSeek-V3's multi-head latent attention
                  wkv_a, kv_norm,        (``attention="mla"``, ``MLAttention``)
                  wkv_b, wo}
-      feed_forward.{w1, w2, w3}         dense SwiGLU        (a dense block)
+      feed_forward.{w1, w2, w3}         dense SwiGLU        (a dense block; ``ffn="gelu"``:
+                                        GPT-2's w2(gelu(w1 x)), no w3)
       moe.router.gate                   Linear(dim, E)      (an MoE block)
       moe.experts.{w1, w2, w3}          stacked [E, F, dim], [E, dim, F], [E, F, dim]
       moe.shared_experts.{w1, w2, w3}   always-on SwiGLU    (if n_shared_experts)
     norm, output                        RMSNorm(dim), Linear(dim, vocab) (or tied)
+
+A GPT-2-style config (``norm="layer"``, ``ffn="gelu"``, ``qkv_bias``, ``o_bias``,
+``ffn_bias``, ``learned_positions``) builds LayerNorms with biases, biased projections
+and a learned position table added to the token embeddings, without rotation.
 
 Usage, torchtitan style::
 
@@ -74,13 +80,19 @@ def _check_supported(c: TransformerConfig) -> None:
             )
     if c.attention == "mla":
         _check_mla(c)
+        if c.learned_positions:
+            raise ValueError(
+                f"Transformer: config {c.name!r} has attention='mla' and learned_positions="
+                f"{c.learned_positions}; MLA rotates its qk_rope_head_dim part: set "
+                f"learned_positions=0 or attention='gqa'"
+            )
     elif c.n_heads % c.n_kv_heads:
         raise ValueError(
             f"Transformer: config {c.name!r}: n_heads ({c.n_heads}) must be a multiple of "
             f"n_kv_heads ({c.n_kv_heads}) for grouped-query attention"
         )
     rope_dim = _rope_dim(c)
-    if rope_dim % 2:
+    if rope_dim % 2 and not c.learned_positions:
         what = "qk_rope_head_dim" if c.attention == "mla" else "head_dim"
         raise ValueError(
             f"Transformer: config {c.name!r}: {what} must be even for rotary embeddings, "
@@ -161,8 +173,15 @@ def apply_rotary(x: Tensor, rope: Tensor) -> Tensor:
     return out.reshape(B, S, H, hd).type_as(x)
 
 
+def _norm(c: TransformerConfig, norm_eps: float) -> nn.Module:
+    """A block's or the final norm: ``RMSNorm`` or, for ``norm="layer"``, ``nn.LayerNorm``."""
+    return RMSNorm(c.dim, norm_eps) if c.norm == "rms" else nn.LayerNorm(c.dim, norm_eps)
+
+
 class Attention(nn.Module):
-    """Causal grouped-query attention with rotary embeddings (optional q/k norm, biases)."""
+    """Causal grouped-query attention with rotary embeddings (optional q/k norm, biases).
+
+    ``rope`` None (a config with ``learned_positions``): no rotation."""
 
     def __init__(self, c: TransformerConfig, norm_eps: float) -> None:
         super().__init__()
@@ -176,7 +195,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(hd, norm_eps) if c.qk_norm else None
         self.k_norm = RMSNorm(hd, norm_eps) if c.qk_norm else None
 
-    def forward(self, x: Tensor, rope: Tensor) -> Tensor:
+    def forward(self, x: Tensor, rope: Tensor | None) -> Tensor:
         B, S, _ = x.shape  # x: (B, S, D)
         # -1 heads: under tensor parallelism (wq/wk/wv column-wise) a rank holds its heads
         q, k, v = self.wq(x), self.wk(x), self.wv(x)
@@ -192,7 +211,8 @@ class Attention(nn.Module):
         v = v.view(B, S, -1, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, rope), apply_rotary(k, rope)
+        if rope is not None:
+            q, k = apply_rotary(q, rope), apply_rotary(k, rope)
         rep = q.shape[2] // k.shape[2]
         if rep > 1:  # GQA: each kv head serves `rep` consecutive query heads
             k = k.repeat_interleave(rep, dim=2)
@@ -277,15 +297,17 @@ class MLAttention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    """SwiGLU: ``w2(silu(w1 x) * w3 x)``."""
+    """SwiGLU: ``w2(silu(w1 x) * w3 x)``; or, with ``kind="gelu"``, ``w2(gelu(w1 x))``."""
 
-    def __init__(self, dim: int, hidden: int) -> None:
+    def __init__(self, dim: int, hidden: int, kind: str = "swiglu", bias: bool = False) -> None:
         super().__init__()
-        self.w1 = nn.Linear(dim, hidden, bias=False)
-        self.w2 = nn.Linear(hidden, dim, bias=False)
-        self.w3 = nn.Linear(dim, hidden, bias=False)
+        self.w1 = nn.Linear(dim, hidden, bias=bias)
+        self.w2 = nn.Linear(hidden, dim, bias=bias)
+        self.w3 = nn.Linear(dim, hidden, bias=bias) if kind == "swiglu" else None
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.w3 is None:
+            return self.w2(F.gelu(self.w1(x), approximate="tanh"))
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
@@ -434,18 +456,18 @@ class TransformerBlock(nn.Module):
     def __init__(self, c: TransformerConfig, layer_id: int, norm_eps: float) -> None:
         super().__init__()
         self.layer_id = layer_id
-        self.attention_norm = RMSNorm(c.dim, norm_eps)
+        self.attention_norm = _norm(c, norm_eps)
         self.attention = (
             MLAttention(c, norm_eps) if c.attention == "mla" else Attention(c, norm_eps)
         )
-        self.ffn_norm = RMSNorm(c.dim, norm_eps)
+        self.ffn_norm = _norm(c, norm_eps)
         self.is_moe = c.is_moe_layer(layer_id)
         if self.is_moe:
             self.moe = MoE(c)
         else:
-            self.feed_forward = FeedForward(c.dim, c.ffn_dim)
+            self.feed_forward = FeedForward(c.dim, c.ffn_dim, c.ffn, c.ffn_bias)
 
-    def forward(self, x: Tensor, rope: Tensor) -> Tensor:
+    def forward(self, x: Tensor, rope: Tensor | None) -> Tensor:
         h = x + self.attention(self.attention_norm(x), rope)
         ffn = self.moe if self.is_moe else self.feed_forward
         return h + ffn(self.ffn_norm(h))
@@ -457,8 +479,8 @@ class Transformer(nn.Module):
 
     Args:
         config: the shape config (``raggedfsdp.models.get_config("llama-tiny")``).
-        max_seq_len: longest sequence ``forward`` accepts (the rotary table's length).
-            Default 256.
+        max_seq_len: longest sequence ``forward`` accepts (the rotary table's length; at
+            most ``config.learned_positions`` if that is set). Default 256.
         seed: the init seed used when the model is built on a real device; on ``meta``
             nothing is initialised: call ``to_empty`` then ``init_weights(seed)``.
             Default 0. See [Note: deterministic init].
@@ -484,6 +506,12 @@ class Transformer(nn.Module):
         _check_supported(config)
         if max_seq_len < 1:
             raise ValueError(f"Transformer: max_seq_len must be >= 1, got {max_seq_len}")
+        if config.learned_positions and max_seq_len > config.learned_positions:
+            raise ValueError(
+                f"Transformer: max_seq_len={max_seq_len} exceeds config {config.name!r}'s "
+                f"learned_positions={config.learned_positions}; pass max_seq_len <= "
+                f"{config.learned_positions}"
+            )
         self.config = config
         self.max_seq_len = max_seq_len
         self.rope_theta = rope_theta
@@ -491,16 +519,21 @@ class Transformer(nn.Module):
         device = torch.get_default_device()  # e.g. set by `with torch.device("meta"):`
         with torch.device("meta"):  # skip nn's default init: init_weights does it once
             self.tok_embeddings = nn.Embedding(c.vocab_size, c.dim)
+            if c.learned_positions:
+                self.pos_embeddings = nn.Embedding(c.learned_positions, c.dim)
             self.layers = nn.ModuleList(TransformerBlock(c, i, norm_eps) for i in range(c.n_layers))
-            self.norm = RMSNorm(c.dim, norm_eps)
-            self.output = nn.Linear(c.dim, c.vocab_size, bias=False)
+            self.norm = _norm(c, norm_eps)
+            self.output = nn.Linear(c.dim, c.vocab_size, bias=c.output_bias)
             if c.tie_embeddings:
                 self.output.weight = self.tok_embeddings.weight
             # Derived, not state: recomputed by init_weights, never saved. Its head dim is
-            # the rotated width: head_dim (GQA) or qk_rope_head_dim (MLA).
-            rope = torch.empty(
-                max_seq_len, _rope_dim(c) // 2, dtype=torch.complex64, device="meta"
-            )  # (S, rope_dim/2)
+            # the rotated width: head_dim (GQA) or qk_rope_head_dim (MLA). None: learned
+            # positions, no rotation.
+            rope = None
+            if not c.learned_positions:
+                rope = torch.empty(
+                    max_seq_len, _rope_dim(c) // 2, dtype=torch.complex64, device="meta"
+                )  # (S, rope_dim/2)
             self.register_buffer("rope", rope, persistent=False)
         if device.type != "meta":
             self.to_empty(device=device)
@@ -520,6 +553,9 @@ class Transformer(nn.Module):
                 f"{self.max_seq_len}; build the model with a larger max_seq_len"
             )
         h = self.tok_embeddings(tokens)  # (B, S, D)
+        if self.config.learned_positions:
+            positions = torch.arange(tokens.shape[1], device=tokens.device)  # (S,)
+            h = h + self.pos_embeddings(positions)
         for layer in self.layers:
             h = layer(h, self.rope)
         h = self.norm(h)
@@ -545,7 +581,8 @@ class Transformer(nn.Module):
             # nn.Module.to_empty() replaces each module's parameter separately, which unties
             # a plain (unsharded) model; tie again.
             self.output.weight = self.tok_embeddings.weight
-        self.rope.copy_(rotary_table(self.max_seq_len, _rope_dim(c), self.rope_theta))
+        if self.rope is not None:
+            self.rope.copy_(rotary_table(self.max_seq_len, _rope_dim(c), self.rope_theta))
         for fqn, param in self.named_parameters():
             _write_full(param, _init_value(fqn, tuple(param.shape), c, seed))
 
@@ -566,6 +603,8 @@ def _init_std(fqn: str, c: TransformerConfig) -> float | None:
         return None
     if fqn == "tok_embeddings.weight":
         return 1.0
+    if fqn == "pos_embeddings.weight":
+        return 0.02
     if fqn == "output.weight":
         return c.dim**-0.5
     layer = int(fqn.split(".")[1])
