@@ -1,4 +1,4 @@
-"""``fully_shard``: FSDP2's API over RaggedShard buffers (see the README's "fully_shard").
+"""``fully_shard``: FSDP2's API over RaggedShard buffers (see docs/fully_shard.md).
 
 ``buffers_of`` / ``buffer_of`` are the one way into a sharded model's flat buffers
 (optimizers, profiling, tools): see ``raggedfsdp.fsdp._buffers``.

@@ -849,7 +849,7 @@ def _on_stream(hook: Callable[[torch.Tensor], None], stream) -> Callable[[torch.
 
 
 # How raggedfsdp answers each public method of torch 2.13's FSDPModule (tests check that
-# this covers them all, and README's feature table is this).
+# this covers them all; docs/gen_fsdp2_table.py writes docs/fully_shard.md's table from it).
 FSDP2_SURFACE: dict[str, str] = {
     "reset_iter_state": "supported",
     "reshard": "supported",
