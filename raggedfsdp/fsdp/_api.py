@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Callable, Iterable
 
 import torch
@@ -28,6 +29,7 @@ from raggedfsdp.fsdp._trace import logger
 from raggedfsdp.planner import (
     DEFAULT_ALIGNMENT_BYTES,
     DEFAULT_MAX_BUFFERS,
+    MAX_UNSHARDED_RATIO,
     BufferLayout,
     gap_eligible,
     plan_buffers,
@@ -52,7 +54,7 @@ def fully_shard(
     ignored_params: set[nn.Parameter] | None = None,
     dp_mesh_dims=None,
     block_policy: BlockPolicy | Callable[[str, nn.Parameter], BlockRows] | None = None,
-    alignment_bytes: int = DEFAULT_ALIGNMENT_BYTES,
+    alignment_bytes: int | None = None,
     max_buffers: int = DEFAULT_MAX_BUFFERS,
     buffer_alpha_bytes: int | None = None,
     grads_in_params: bool = True,
@@ -94,7 +96,11 @@ def fully_shard(
         dp_mesh_dims: FSDP2's data-parallel mesh dims; only None (a 1-D mesh).
         block_policy: rows per block, a ``BlockPolicy`` or a callable of
             ``(fqn, param)`` returning a positive int or ``"whole"``. Default 1 row.
-        alignment_bytes: alignment of every shard start. Default 128 (see the planner).
+        alignment_bytes: alignment of every shard start and tensor offset, in bytes.
+            Default None: 128 bytes (the planner's ``DEFAULT_ALIGNMENT_BYTES``), finer only
+            for a group whose blocks are not multiples of it and where 128 bytes would
+            make a buffer over twice the group's elements (see [Note: alignment where rows
+            allow]).
         max_buffers: the most buffers the group's parameters may be split over, each with
             its own all-gather and reduce-scatter; the planner splits only where the
             padding saved costs more (on the wire and at the memory peak) than one more
@@ -304,6 +310,42 @@ def _check_unsupported(modules, offload_policy) -> None:
         )
 
 
+def _aligned_where_rows_allow(specs, itemsize: int, at) -> list[BufferLayout]:
+    """The default alignment (``alignment_bytes=None``): ``DEFAULT_ALIGNMENT_BYTES``, unless
+    the group's blocks are not whole multiples of it and that alignment bloats a buffer.
+
+    [Note: alignment where rows allow] A shard start (a multiple of ``S``) and a tensor's
+    offset are both multiples of the alignment, so a cut inside a tensor whose blocks are
+    not a multiple of it falls only every lcm(alignment, block) elements: a 260-element
+    fp32 row under 128-byte alignment is cut every 8 rows, and at thousands of ranks such
+    a buffer gathers many times its elements where FSDP2 gathers one row per rank. Where
+    the aligned plan holds a buffer over ``MAX_UNSHARDED_RATIO`` times its elements, the
+    group is planned again at the finest alignment its blocks allow (the gcd of the
+    alignment and every block's bytes, at least one element), and the plan that holds
+    fewer elements wins. Groups whose blocks are multiples of the alignment (the weights
+    of real models) are never affected; an explicit ``alignment_bytes`` is used as given.
+    """
+    aligned = at(DEFAULT_ALIGNMENT_BYTES)
+    if not any(lay.global_size > MAX_UNSHARDED_RATIO * lay.total_numel for lay in aligned):
+        return aligned
+    finer = DEFAULT_ALIGNMENT_BYTES
+    for s in specs:
+        finer = math.gcd(finer, s.block_elems * itemsize)
+    finer = max(finer, itemsize)
+    if finer == DEFAULT_ALIGNMENT_BYTES:
+        return aligned
+    relaxed = at(finer)
+    if sum(lay.global_size for lay in relaxed) < sum(lay.global_size for lay in aligned):
+        logger.debug(
+            "fully_shard: %d-byte alignment instead of %d: the group's blocks are not "
+            "multiples of it (see [Note: alignment where rows allow])",
+            finer,
+            DEFAULT_ALIGNMENT_BYTES,
+        )
+        return relaxed
+    return aligned
+
+
 def _leaves_a_rank_empty(layout: BufferLayout, world: int) -> bool:
     """Whether some rank holds none of a tensor that has a row for every rank."""
     return any(t.shape[0] >= world and 0 in layout.local_units(t.name) for t in layout.tensors)
@@ -489,17 +531,27 @@ def _new_group(
 
     def plan(part: list, how: Float8BlockAllGather | None) -> list[BufferLayout]:
         dtype = dtypes[index[part[0].name]]
-        return plan_buffers(
-            part,
-            world,
-            max_buffers=max_buffers,
-            alpha_bytes=alpha,
-            dtype=dtype,
-            member_gaps=gaps if how is None else False,
-            alignment_bytes=alignment_bytes
-            if how is None
-            else how.alignment_bytes(alignment_bytes, dtype),
-        ).layouts
+
+        def at(align: int) -> list[BufferLayout]:
+            return plan_buffers(
+                part,
+                world,
+                max_buffers=max_buffers,
+                alpha_bytes=alpha,
+                dtype=dtype,
+                member_gaps=gaps if how is None else False,
+                alignment_bytes=align,
+            ).layouts
+
+        if how is not None:
+            return at(
+                how.alignment_bytes(
+                    DEFAULT_ALIGNMENT_BYTES if alignment_bytes is None else alignment_bytes, dtype
+                )
+            )
+        if alignment_bytes is not None:
+            return at(alignment_bytes)
+        return _aligned_where_rows_allow(part, dtype.itemsize, at)
 
     index = {ref.fqn: i for i, ref in enumerate(refs)}
     # [Note: mixed dtypes] A buffer holds one dtype: each kind of buffer below is planned
