@@ -26,6 +26,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from raggedfsdp.models.parallelize import parallelize
+
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 
@@ -145,7 +147,8 @@ def write_results(path: str | Path, text: str) -> None:
 # The training harness
 # ================================================================================================
 def shard(model, mesh, system: str = "raggedfsdp", **kwargs) -> None:
-    """``fully_shard`` each transformer block, then the root, as ``system`` does it.
+    """``fully_shard`` each transformer block, then the root, as ``system`` does it
+    (``raggedfsdp.models.parallelize``).
 
     Args:
         model: a ``raggedfsdp.models.Transformer``.
@@ -159,9 +162,7 @@ def shard(model, mesh, system: str = "raggedfsdp", **kwargs) -> None:
         from torch.distributed.fsdp import fully_shard
     else:
         raise ValueError(f"shard: system must be 'raggedfsdp' or 'fsdp2', got {system!r}")
-    for block in model.transformer_blocks():
-        fully_shard(block, mesh=mesh, **kwargs)
-    fully_shard(model, mesh=mesh, **kwargs)
+    parallelize(model, mesh, fully_shard=fully_shard, **kwargs)
 
 
 def ragged_padding(model) -> dict[str, int]:

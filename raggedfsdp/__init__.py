@@ -18,6 +18,10 @@ _EXPORTS = {
     "UnshardHandle": "raggedfsdp.fsdp",
     "fully_shard": "raggedfsdp.fsdp",
     "clip_grad_norm_": "raggedfsdp.fsdp",
+    "MeshSpec": "raggedfsdp.models.parallelize",
+    "build_mesh": "raggedfsdp.models.parallelize",
+    "parallelize": "raggedfsdp.models.parallelize",
+    "parse_mesh_spec": "raggedfsdp.models.parallelize",
 }
 
 __all__ = sorted(_EXPORTS)

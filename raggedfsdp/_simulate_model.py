@@ -26,6 +26,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from raggedfsdp.models.parallelize import parallelize
+
 if TYPE_CHECKING:
     from raggedfsdp.models import TransformerConfig
     from raggedfsdp.simulate import SimConfig
@@ -267,23 +269,17 @@ def logits_of(output: Any) -> torch.Tensor:
 
 
 def shard_model(model: nn.Module, mesh, system: str, mp: str, grouping: str = "blocks") -> None:
-    """``fully_shard`` the model by ``system``, grouped as ``SimConfig.grouping`` says."""
+    """``fully_shard`` the model by ``system``, grouped as ``SimConfig.grouping`` says
+    (``raggedfsdp.models.parallelize``)."""
     if system == "raggedfsdp":
         from raggedfsdp import MixedPrecisionPolicy, fully_shard
     else:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    kwargs: dict[str, Any] = {"mesh": mesh}
+    kwargs: dict[str, Any] = {}
     if mp == "bf16":
         kwargs["mp_policy"] = MixedPrecisionPolicy(
             param_dtype=torch.bfloat16, reduce_dtype=torch.float32
         )
-    blocks = blocks_of(model)
-    if grouping == "torchtitan":
-        fully_shard(model.tok_embeddings, **kwargs)
-        for i, block in enumerate(blocks):
-            fully_shard(block, **kwargs, reshard_after_forward=i < len(blocks) - 1)
-        fully_shard([model.norm, model.output], **kwargs, reshard_after_forward=False)
-    else:
-        for block in blocks:
-            fully_shard(block, **kwargs)
-    fully_shard(model, **kwargs)
+    parallelize(
+        model, mesh, fully_shard=fully_shard, blocks=blocks_of(model), grouping=grouping, **kwargs
+    )

@@ -35,11 +35,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed import distributed_c10d
-from torch.distributed.tensor import DTensor, init_device_mesh
-from torch.distributed.tensor.parallel import parallelize_module
+from torch.distributed.tensor import DTensor
 
 from raggedfsdp.models import get_config
-from raggedfsdp.models.transformer import Transformer, expert_parallel, lm_loss
+from raggedfsdp.models.parallelize import build_mesh, parallelize
+from raggedfsdp.models.transformer import Transformer, lm_loss
 from raggedfsdp.profiling import measure_step
 from raggedfsdp.train._checks import MeshSpec, parse_train_mesh
 from raggedfsdp.train._guard import (
@@ -56,46 +56,11 @@ from raggedfsdp.train.data import DataConfig, get_batch, load_corpus
 from raggedfsdp.train.report import plot_losses
 
 
-def _mesh(spec: MeshSpec):
-    """The device mesh of ``--mesh`` (see [Note: train meshes] in ``_checks``)."""
-    if spec.dims is None:
-        return init_device_mesh("cpu", (spec.world,))
-    dims = spec.dims
-    return init_device_mesh("cpu", tuple(dims.values()), mesh_dim_names=tuple(dims))
-
-
-def _tp_plan(block) -> dict:
-    """Column- then row-wise splits of a block's attention (and dense feed-forward):
-    each tp rank computes whole heads (hidden rows); the MoE experts stay whole."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-
-    plan = {f"attention.{w}": ColwiseParallel() for w in ("wq", "wk", "wv")}
-    plan["attention.wo"] = RowwiseParallel()
-    if not block.is_moe:
-        plan |= {f"feed_forward.{w}": ColwiseParallel() for w in ("w1", "w3")}
-        plan["feed_forward.w2"] = RowwiseParallel()
-    return plan
-
-
-def _local(p: torch.Tensor) -> torch.Tensor:
-    return p.to_local() if isinstance(p, DTensor) else p
-
-
 def _shard(model: Transformer, args, spec: MeshSpec, mesh) -> dict[str, tuple]:
-    """Parallelize (tp, ep) and ``fully_shard`` every block, then the root, in place.
-
-    Returns:
-        ``{fqn: (shape, ranks)}``: each parameter's tensor as ``fully_shard`` splits it (the
-        TP- / EP-local one) and the ranks of its shard group (``padding_ratio``'s input).
-    """
+    """``parallelize`` the model by ``--backend`` with the train flags' ``fully_shard``
+    arguments, in place; returns ``parallelize``'s ``{fqn: (shape, ranks)}``."""
     raf = args.reshard_after_forward.lower()
     raf = {"auto": None, "true": True, "false": False}[raf] if not raf.isdigit() else int(raf)
-    if spec.tp > 1:
-        fsdp_mesh = mesh["replicate", "shard"] if spec.replicate is not None else mesh["dp"]
-    elif spec.ep > 1:
-        fsdp_mesh = mesh._flatten("dp")  # all ranks (torchtitan's dp_shard)
-    else:
-        fsdp_mesh = mesh
     if args.backend == "fsdp2":
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -115,29 +80,7 @@ def _shard(model: Transformer, args, spec: MeshSpec, mesh) -> dict[str, tuple]:
         kw["mp_policy"] = MixedPrecisionPolicy(
             param_dtype=torch.bfloat16, reduce_dtype=torch.float32
         )
-    names = {m: n for n, m in model.named_modules()}
-    split: dict[str, tuple] = {}
-
-    def shard(module: nn.Module, on) -> None:
-        prefix = names[module] + "." if names[module] else ""
-        for name, p in model.named_parameters():
-            if name.startswith(prefix) and name not in split:
-                split[name] = (tuple(_local(p).shape), on.size(-1))
-        fully_shard(module, mesh=on, **kw)
-
-    for block in model.transformer_blocks():
-        if spec.tp > 1:
-            parallelize_module(block, mesh["tp"], _tp_plan(block))
-        if spec.ep > 1 and block.is_moe:
-            # See [Note: expert parallelism] in raggedfsdp/models/transformer.py: the
-            # experts' gradients sum the tokens of every ep rank, so divide by all ranks.
-            expert_parallel(block.moe, mesh["ep"])
-            shard(block.moe.experts, mesh["dp_mod_ep"])
-            block.moe.experts.set_gradient_divide_factor(spec.world)
-            block.moe.experts.set_force_sum_reduction_for_comms(True)
-        shard(block, fsdp_mesh)
-    shard(model, fsdp_mesh)
-    return split
+    return parallelize(model, mesh, spec, fully_shard=fully_shard, **kw)
 
 
 def _decay_groups(params, weight_decay: float, **hyper) -> list[dict]:
@@ -311,7 +254,7 @@ def _train(args, where: Where) -> int:
     out = Path(args.out)
     ckpt_root = out / CKPT
     spec = parse_train_mesh(args.mesh, world)  # checked by the launcher
-    mesh = _mesh(spec)
+    mesh = build_mesh(spec)
     # HSDP's collectives cross both mesh dims: name every rank's group on a timeout
     where.mesh_group = where.group = mesh.get_group(0) if mesh.ndim == 1 else dist.group.WORLD
     corpus = load_corpus(DataConfig(path=args.data, max_bytes=args.max_bytes))

@@ -6,7 +6,7 @@ checkpoint on the FSDP x EP mesh, its experts laid out with member gaps (the che
 reshards across meshes and layouts). Every step's loss and validation loss lies within
 a bound of the 4-rank 1-D FSDP run's (fp32, AdamW, clipping on), derived from that run's
 own sensitivity: a rerun with nudged gradients ([Note: derived tolerances] in
-``tests/numerics.py``). See [Note: train meshes] in ``raggedfsdp/train/_checks.py``."""
+``tests/numerics.py``). See [Note: mesh specs] in ``raggedfsdp/models/parallelize.py``."""
 
 from __future__ import annotations
 
