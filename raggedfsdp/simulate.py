@@ -103,18 +103,9 @@ __all__ = [
     "blocks_of",
     "build_model",
     "buildable_config",
-    "cross_check",
     "fake_world",
-    "format_result",
-    "format_sweep",
-    "main",
-    "parse_mesh",
-    "plot_sweep",
-    "plot_timeline",
     "shard_model",
     "simulate",
-    "sweep",
-    "sweep_row",
     "time_fully_shard",
 ]
 
@@ -680,18 +671,32 @@ def time_fully_shard(
     }
 
 
-# The command line, the report and the plot: ``raggedfsdp/_simulate_cli.py``.
-from raggedfsdp._simulate_cli import (  # noqa: E402  (it imports this module's names)
-    cross_check,
-    format_result,
-    format_sweep,
-    main,
-    parse_mesh,
-    plot_sweep,
-    plot_timeline,
-    sweep,
-    sweep_row,
+# The command line, the report and the plot live in ``raggedfsdp/_simulate_cli.py``, which
+# imports this module; they load on first use, so the two modules import no circle.
+_CLI_NAMES = frozenset(
+    {
+        "cross_check",
+        "format_result",
+        "format_sweep",
+        "main",
+        "parse_mesh",
+        "plot_sweep",
+        "plot_timeline",
+        "sweep",
+        "sweep_row",
+    }
 )
 
+
+def __getattr__(name: str):
+    if name in _CLI_NAMES:
+        from raggedfsdp import _simulate_cli
+
+        return getattr(_simulate_cli, name)
+    raise AttributeError(f"module 'raggedfsdp.simulate' has no attribute {name!r}")
+
+
 if __name__ == "__main__":
+    from raggedfsdp._simulate_cli import main
+
     sys.exit(main())

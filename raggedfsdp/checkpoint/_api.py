@@ -19,7 +19,8 @@ from torch import nn
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
-from raggedfsdp.checkpoint import _files, _state
+import raggedfsdp.checkpoint._files as _files
+import raggedfsdp.checkpoint._state as _state
 from raggedfsdp.checkpoint._files import CorruptCheckpointError
 from raggedfsdp.checkpoint._ranks import Ranks, default_group, quiet, side_group
 

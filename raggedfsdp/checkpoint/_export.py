@@ -18,7 +18,8 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from raggedfsdp.checkpoint import _files, _state
+import raggedfsdp.checkpoint._files as _files
+import raggedfsdp.checkpoint._state as _state
 from raggedfsdp.checkpoint._api import _wait_pending
 from raggedfsdp.checkpoint._ranks import Ranks, default_group
 
