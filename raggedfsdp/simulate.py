@@ -672,26 +672,12 @@ def time_fully_shard(
 
 
 # The command line, the report and the plot live in ``raggedfsdp/_simulate_cli.py``, which
-# imports this module; they load on first use, so the two modules import no circle.
-_CLI_NAMES = frozenset(
-    {
-        "cross_check",
-        "format_result",
-        "format_sweep",
-        "main",
-        "parse_mesh",
-        "plot_sweep",
-        "plot_timeline",
-        "sweep",
-        "sweep_row",
-    }
-)
-
-
+# imports this module; its names (its ``__all__``) load on first use, so the two modules
+# import no circle.
 def __getattr__(name: str):
-    if name in _CLI_NAMES:
-        from raggedfsdp import _simulate_cli
+    from raggedfsdp import _simulate_cli
 
+    if name in _simulate_cli.__all__:
         return getattr(_simulate_cli, name)
     raise AttributeError(f"module 'raggedfsdp.simulate' has no attribute {name!r}")
 
