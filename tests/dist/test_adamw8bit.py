@@ -19,7 +19,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor, init_device_mesh
 
-from raggedfsdp import BlockPolicy, fully_shard
+from raggedfsdp import BlockPolicy, fully_shard, parallelize
 from raggedfsdp.models import get_config
 from raggedfsdp.models.transformer import Transformer, lm_loss
 from raggedfsdp.optim import AdamW8bit, adamw8bit_block_policy
@@ -79,9 +79,7 @@ def _reference(model_name: str, variant: str):
 
 def _shard(model_name, mesh, policy):
     model = Transformer(get_config(model_name), max_seq_len=SEQ, seed=0)
-    for block in model.transformer_blocks():
-        fully_shard(block, mesh=mesh, block_policy=policy)
-    fully_shard(model, mesh=mesh, block_policy=policy)
+    parallelize(model, mesh, fully_shard=fully_shard, block_policy=policy)
     return model
 
 

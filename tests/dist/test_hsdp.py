@@ -20,7 +20,7 @@ from torch.distributed.tensor import Replicate, init_device_mesh
 
 import raggedfsdp
 import raggedfsdp.optim
-from raggedfsdp import RaggedShard
+from raggedfsdp import RaggedShard, parallelize
 from raggedfsdp.models import get_config
 from raggedfsdp.models.transformer import Transformer, lm_loss
 from tests.harness import run_cases, spawn
@@ -57,9 +57,8 @@ def _train(model, rank, world, *, microbatches=1, setup=lambda m, i: None):
 
 def _sharded(fully_shard, name, mesh, **kw):
     model = Transformer(get_config(name), max_seq_len=SEQ, seed=0)
-    for block in model.transformer_blocks():
-        fully_shard(block, mesh=mesh, **kw)
-    return fully_shard(model, mesh=mesh, **kw)
+    parallelize(model, mesh, fully_shard=fully_shard, **kw)
+    return model
 
 
 def _check_parity(name, rank, ref):

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, init_device_mesh
 
-from raggedfsdp import BlockPolicy, RaggedShard, fully_shard
+from raggedfsdp import BlockPolicy, RaggedShard, fully_shard, parallelize
 from raggedfsdp.fsdp import buffers_of
 from raggedfsdp.models import get_config
 from raggedfsdp.models.transformer import Transformer, lm_loss
@@ -62,9 +62,8 @@ def _shard(model_name, mesh, block_policy=None, seq=tm.SEQ, whole_matrices=False
     model = Transformer(get_config(model_name), max_seq_len=seq, seed=0)
     if whole_matrices:
         block_policy = muon_block_policy(model, mesh.size(mesh.ndim - 1))
-    for block in model.transformer_blocks():
-        fully_shard(block, mesh=mesh, block_policy=block_policy)
-    return fully_shard(model, mesh=mesh, block_policy=block_policy)
+    parallelize(model, mesh, fully_shard=fully_shard, block_policy=block_policy)
+    return model
 
 
 def _assert_replicas_equal(model, mesh):

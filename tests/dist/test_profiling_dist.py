@@ -15,7 +15,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy as FSDP2Policy
 from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
 from torch.distributed.tensor import init_device_mesh
 
-from raggedfsdp import MixedPrecisionPolicy, fully_shard
+from raggedfsdp import MixedPrecisionPolicy, fully_shard, parallelize
 from raggedfsdp.fsdp import buffers_of
 from raggedfsdp.models import get_config
 from raggedfsdp.models.transformer import Transformer, lm_loss
@@ -42,9 +42,7 @@ def _sharded(system: str, bf16: bool, rank: int, world: int):
         else (fsdp2_fully_shard, FSDP2Policy(**kw))
     )
     model = Transformer(get_config(MODEL), max_seq_len=SEQ, seed=0)
-    for block in model.transformer_blocks():
-        shard(block, mesh=mesh, mp_policy=policy)
-    shard(model, mesh=mesh, mp_policy=policy)
+    parallelize(model, mesh, fully_shard=shard, mp_policy=policy)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     g = torch.Generator().manual_seed(rank)
 

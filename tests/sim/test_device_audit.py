@@ -11,7 +11,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import raggedfsdp.dbuffer as dbuffer_module
-from raggedfsdp import fully_shard
+from raggedfsdp import fully_shard, parallelize
 from raggedfsdp.models import get_config
 from raggedfsdp.models.transformer import Transformer, lm_loss
 from tests.device_audit import DeviceAudit
@@ -28,9 +28,8 @@ def fake_world():
 
 def _sharded(name, mesh):
     model = Transformer(get_config(name), max_seq_len=SEQ, seed=0)
-    for block in model.transformer_blocks():
-        fully_shard(block, mesh=mesh)
-    return fully_shard(model, mesh=mesh)
+    parallelize(model, mesh, fully_shard=fully_shard)
+    return model
 
 
 def test_the_audit_catches_a_factory_without_a_device(fake_world, monkeypatch):
