@@ -259,9 +259,10 @@ def parallelize(
     split: dict[str, tuple] = {}
 
     def shard(module, on, **extra) -> None:
-        first = module[0] if isinstance(module, list) else module
-        prefix = names[first] + "." if names[first] and not isinstance(module, list) else ""
-        if not isinstance(module, list):
+        """``fully_shard`` one module (or a list: one group), recording the parameters it
+        takes that no earlier call took."""
+        for m in module if isinstance(module, list) else [module]:
+            prefix = names[m] + "." if names[m] else ""
             for name, p in model.named_parameters():
                 if name.startswith(prefix) and name not in split:
                     split[name] = (tuple(_local(p).shape), on.size(-1))
