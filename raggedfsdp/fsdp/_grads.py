@@ -402,9 +402,6 @@ class GradientPath:
             self._grads_hold_params = False
             self.dbuf.global_params.free()
 
-    def local_grad_flags(self) -> list[bool]:
-        return [ref.got_grad for ref in self.refs]
-
     @phase("post_backward_set_grads")
     def finalize_grads(self, got_grad: list[bool]) -> list[str]:
         """Wait for the reduce-scatter and set the sharded ``.grad``s (views of shard grads).
