@@ -31,13 +31,13 @@ data-parallel). The two systems alternate in blocks of
 - step time: forward, backward, ``opt.step()``, ``opt.zero_grad()`` between two
   barriers; the median and the ratio raggedfsdp / FSDP2, the ratio per round, and the
   CPU time of a step summed over the ranks' processes;
-- collectives per step by kind and by mesh dimension: ``raggedfsdp.profiling.CommCounter``
+- collectives per step by kind and by mesh dimension: ``raggedfsdp.tools.profiling.CommCounter``
   subclassed to record each collective's process group, matched to the mesh
   dimension whose group has the same ranks (``dp`` on ``fsdp_ep``: the flattened 4-rank
   group; ``world``: all 4 ranks, on another 2-D mesh);
   bytes are an all-gather's output and any other collective's input, per rank;
 - peak memory per rank over one step (``MemTracker`` via
-  ``raggedfsdp.profiling.peak_memory``, each system's persistent storages tracked);
+  ``raggedfsdp.tools.profiling.peak_memory``, each system's persistent storages tracked);
 - the per-step losses of the two systems (max abs difference).
 
 No gradient clipping (torch's ``clip_grad_norm_`` refuses FSDP2 x TP's mixed meshes).
@@ -69,7 +69,7 @@ from _common import (  # beside this script, so on sys.path
 )
 from torch.distributed.distributed_c10d import _resolve_process_group
 
-from raggedfsdp.profiling import CommCounter, peak_memory
+from raggedfsdp.tools.profiling import CommCounter, peak_memory
 from raggedfsdp.train.report import mib, ratio
 
 SYSTEMS = ("raggedfsdp", "fsdp2")

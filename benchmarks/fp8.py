@@ -79,7 +79,7 @@ def _rank_main(rank: int, world: int, save, args) -> None:
     from torch.distributed.tensor import init_device_mesh
 
     from raggedfsdp.models.transformer import lm_loss
-    from raggedfsdp.profiling import CommCounter
+    from raggedfsdp.tools.profiling import CommCounter
     from raggedfsdp.train.data import DataConfig, get_batch, load_corpus
 
     data = load_corpus(DataConfig(max_bytes=1 << 20)).train
@@ -136,7 +136,7 @@ def _tiled_config():
 def _tiled_bytes(mesh, args, rank, world, data) -> dict:
     """One step's collective bytes of the whole-tile model, per all-gather policy."""
     from raggedfsdp.models.transformer import lm_loss
-    from raggedfsdp.profiling import CommCounter
+    from raggedfsdp.tools.profiling import CommCounter
     from raggedfsdp.train.data import get_batch
 
     x, y = get_batch(

@@ -25,7 +25,7 @@ Writes ``benchmarks/results/optim.md`` (or ``--out``). Sections:
    - FSDP2 + the ``muon-fsdp2`` package (gathers each matrix to rank ``index % world``
      with ``torch.distributed.gather``; its NS is ``torch.compile``d).
 
-   Measured: step time; collectives per step (``raggedfsdp.profiling.CommCounter``;
+   Measured: step time; collectives per step (``raggedfsdp.tools.profiling.CommCounter``;
    for muon-fsdp2, whose compiled NS refuses a dispatch mode, by wrapping its
    ``gather`` / ``scatter``); bytes sent per step summed over ranks (all-to-all: its
    input; all-gather: ``(w - 1) x`` input; all-reduce: ``2 (w - 1) / w x`` input, a
@@ -171,7 +171,7 @@ def _measure(system: str, job: dict, mesh, rank: int, world: int, data) -> dict:
     import torch.distributed as dist
 
     from raggedfsdp.models.transformer import lm_loss
-    from raggedfsdp.profiling import CommCounter
+    from raggedfsdp.tools.profiling import CommCounter
     from raggedfsdp.train.data import get_batch
 
     model, opts = _build(system, job["model"], mesh)

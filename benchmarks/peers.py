@@ -31,8 +31,8 @@ machine falls on all systems alike. Measured per run (see ``measure``):
 - tokens per CPU-second: the same with the CPU time the ranks' processes spent in the
   step (all their threads, summed over the ranks): the work a step costs, which the
   load that other processes put on the machine changes far less than the wall time;
-- communicated bytes per step per rank (``raggedfsdp.profiling.CommCounter``, through
-  ``raggedfsdp.profiling.measure_step``, as ``train`` reports them): all-gather outputs
+- communicated bytes per step per rank (``raggedfsdp.tools.profiling.CommCounter``, through
+  ``raggedfsdp.tools.profiling.measure_step``, as ``train`` reports them): all-gather outputs
   plus reduce-scatter and all-reduce inputs;
 - copied bytes per step (``CopyCounter``): every copy-like op of the step, and the
   part beyond the copies the unsharded model makes itself in the same step;
@@ -280,7 +280,7 @@ def _leaf_safe_tracker():
 def measure(trainer: Trainer, step_fn, own_copies: int) -> dict:
     """Communication, copies and peak memory of one step of ``trainer`` on this rank.
 
-    Comms and copies come from ``raggedfsdp.profiling.measure_step`` (as ``train``
+    Comms and copies come from ``raggedfsdp.tools.profiling.measure_step`` (as ``train``
     reports them), whose memory figure tracks the model only; the peak reported here
     tracks the optimizer and the system's own storages (``trainer.keep``) from the start
     too, which DeepSpeed needs (its parameters are empty placeholders between uses).
@@ -290,7 +290,7 @@ def measure(trainer: Trainer, step_fn, own_copies: int) -> dict:
         step_fn: runs one training step (the same batch each call).
         own_copies: bytes the unsharded model copies itself in that step.
     """
-    from raggedfsdp.profiling import measure_step, peak_memory
+    from raggedfsdp.tools.profiling import measure_step, peak_memory
 
     backend = trainer.system if trainer.system in ("raggedfsdp", "fsdp2") else None
     tracker = _leaf_safe_tracker if trainer.system == "fsdp1" else None
@@ -325,7 +325,7 @@ def _batch(spec: dict, data, step: int):
 def model_copies(spec: dict, data, step: int) -> int:
     """Bytes the unsharded model copies in one step of this rank's batch (no FSDP at all)."""
     from raggedfsdp.models import lm_loss
-    from raggedfsdp.profiling import CopyCounter
+    from raggedfsdp.tools.profiling import CopyCounter
 
     model = _model(spec)
     opt = _adamw(model.parameters(), spec)

@@ -287,7 +287,7 @@ def ilp_multi_parity(n: int, seed: int) -> dict:
     planner's ``plan_buffers`` against ``plan_buffers_exact`` (every partition of the
     tensors, each buffer solved by HiGHS), at the same cost (padding bytes plus
     ``alpha`` per extra buffer, ``alpha`` drawn from 0-256 bytes so that splits pay)."""
-    from raggedfsdp.planner._exact import plan_buffers_exact
+    from raggedfsdp.planner.exact import plan_buffers_exact
 
     rng = random.Random(seed)
     proven = hits = worst = split = split_hits = 0

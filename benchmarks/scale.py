@@ -7,7 +7,7 @@
 
 Each row is one rank (rank 0) of a ``world``-rank job running one training step of a
 catalogue model cut to K transformer blocks (embeddings and head included), simulated
-by ``raggedfsdp.simulate`` in this process: fake tensors, torch's fake process group,
+by ``raggedfsdp.tools.simulate`` in this process: fake tensors, torch's fake process group,
 ``MemTracker``; bf16 compute with fp32 master weights and fp32 gradient reduction,
 ``torch.optim.AdamW``, batch 1 x 4096 tokens, activation checkpointing per block, one
 warm-up step first. Then ``fully_shard`` of whole models (every block, on ``meta``) is
@@ -39,17 +39,9 @@ from pathlib import Path
 
 from _common import ANALYSIS, RESULTS, git_state, header, write_results  # beside this script
 
+from raggedfsdp.cli.simulate import cross_check, parse_mesh, plot_timeline, sweep_row
 from raggedfsdp.models import CATALOGUE, get_config
-from raggedfsdp.simulate import (
-    ROLES,
-    SimConfig,
-    cross_check,
-    parse_mesh,
-    plot_timeline,
-    simulate,
-    sweep_row,
-    time_fully_shard,
-)
+from raggedfsdp.tools.simulate import ROLES, SimConfig, simulate, time_fully_shard
 
 SYSTEMS = ("raggedfsdp", "fsdp2")
 RAW = Path("/tmp/raggedfsdp_scale.jsonl")
@@ -383,7 +375,7 @@ def report(done: dict, shard_times: list, args, command: str, seconds: float) ->
     lines = header("Real shapes at scale, simulated: raggedfsdp vs FSDP2", command, seconds)
     lines += [
         f"Configuration: rank 0 of a `world`-rank job, simulated in one process by "
-        f"`raggedfsdp.simulate` (fake tensors, torch's fake process group, MemTracker): "
+        f"`raggedfsdp.tools.simulate` (fake tensors, torch's fake process group, MemTracker): "
         f"catalogue models cut to K transformer blocks (embeddings and head kept), "
         f"`fully_shard` on each block then the root, defaults otherwise (blocks reshard "
         f"after forward, the root does not), bf16 compute with fp32 master weights and "
@@ -392,7 +384,7 @@ def report(done: dict, shard_times: list, args, command: str, seconds: float) ->
         f"step, then one measured step (forward, backward, `opt.step()`). Memory is "
         f"*simulated allocated bytes per rank* (no allocator rounding, no cache, no "
         f"fragmentation), not reserved memory on a device. MoE layers route evenly; "
-        f"GPT-OSS runs with torchtitan's unfused experts (see `raggedfsdp/simulate.py`).",
+        f"GPT-OSS runs with torchtitan's unfused experts (see `raggedfsdp/tools/simulate.py`).",
         "",
         "## Peak memory per rank",
         "",

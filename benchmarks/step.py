@@ -13,10 +13,10 @@ the machine falls on both alike. Measured:
   barriers; the median over the timed steps, the ratio raggedfsdp / FSDP2, and the
   ratio within each round (adjacent blocks); also the CPU time of a step summed over
   the ranks' processes, which other processes' load disturbs less;
-- collectives per step (``raggedfsdp.profiling.CommCounter``): count and bytes per
+- collectives per step (``raggedfsdp.tools.profiling.CommCounter``): count and bytes per
   kind; an all-gather's output and a reduce-scatter's input are whole buffers, so
   they include the padding;
-- copies per step (``raggedfsdp.profiling.CopyCounter``): every copy-like op, and the
+- copies per step (``raggedfsdp.tools.profiling.CopyCounter``): every copy-like op, and the
   FSDP-attributable part: for raggedfsdp the copies that read or write a DBuffer
   storage, for FSDP2 its ``fsdp.*`` ops (copy-in, copy-out, reduce-scatter copy-in);
   gloo's own copy into each reduce-scatter output is counted apart, for both;
@@ -58,7 +58,7 @@ from _common import (  # beside this script, so on sys.path
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass_type
 
 from raggedfsdp.fsdp import buffers_of
-from raggedfsdp.profiling import CommCounter, CopyCounter, buffer_storages, peak_memory
+from raggedfsdp.tools.profiling import CommCounter, CopyCounter, buffer_storages, peak_memory
 from raggedfsdp.train.report import mib, ratio
 
 SYSTEMS = ("raggedfsdp", "fsdp2")

@@ -11,11 +11,11 @@ import sys
 
 # command -> (module, one-line help). Each module exposes ``main(argv) -> int``.
 COMMANDS = {
-    "demo": ("raggedfsdp._demo", "train on 4 ranks with raggedfsdp and FSDP2, side by side"),
-    "train": ("raggedfsdp.train._cli", "train a model on N ranks (torchrun)"),
-    "plan": ("raggedfsdp.planner._cli", "plan communication buffers for a model"),
-    "simulate": ("raggedfsdp.simulate", "memory and comms of one rank of N, on fake tensors"),
-    "walkthrough": ("raggedfsdp._walkthrough", "RaggedShard on 4 gloo ranks, step by step"),
+    "demo": ("raggedfsdp.cli.demo", "train on 4 ranks with raggedfsdp and FSDP2, side by side"),
+    "train": ("raggedfsdp.cli.train", "train a model on N ranks (torchrun)"),
+    "plan": ("raggedfsdp.cli.plan", "plan communication buffers for a model"),
+    "simulate": ("raggedfsdp.cli.simulate", "memory and comms of one rank of N, on fake tensors"),
+    "walkthrough": ("raggedfsdp.cli.walkthrough", "RaggedShard on 4 gloo ranks, step by step"),
 }
 
 

@@ -173,7 +173,7 @@ def train_cli(argv: list[str], timeout: float = 600.0, nudge_seed: int | None = 
     import json
     import socket
 
-    from raggedfsdp.train import _cli
+    from raggedfsdp.cli import train as train_command
 
     def launch(args) -> int:
         with socket.socket() as s:  # a free port for the ranks' rendezvous
@@ -190,14 +190,14 @@ def train_cli(argv: list[str], timeout: float = 600.0, nudge_seed: int | None = 
         )
         return 0
 
-    assert _cli.main(list(argv), launch=launch) == 0
+    assert train_command.main(list(argv), launch=launch) == 0
 
 
 def _train_rank(rank: int, world: int, args_json: str, port: int, nudge_seed) -> None:
     from contextlib import nullcontext
 
-    from raggedfsdp.train import _loop
-    from raggedfsdp.train._guard import ARGS_ENV
+    from raggedfsdp.train import loop
+    from raggedfsdp.train.guard import ARGS_ENV
     from tests.numerics import nudged_gradients
 
     os.environ.update(
@@ -212,5 +212,5 @@ def _train_rank(rank: int, world: int, args_json: str, port: int, nudge_seed) ->
         }
     )
     with nullcontext() if nudge_seed is None else nudged_gradients(nudge_seed):
-        code = _loop.main()
+        code = loop.main()
     assert code == 0, f"rank {rank}: train exited with {code} (its message is above)"

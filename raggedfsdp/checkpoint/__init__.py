@@ -17,7 +17,7 @@ from raggedfsdp.checkpoint._api import (
     verify_checkpoint,
 )
 from raggedfsdp.checkpoint._export import export_safetensors
-from raggedfsdp.checkpoint._files import CorruptCheckpointError
+from raggedfsdp.checkpoint.files import CorruptCheckpointError
 
 __all__ = [
     "CorruptCheckpointError",

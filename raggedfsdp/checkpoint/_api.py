@@ -1,6 +1,6 @@
 """``save`` and ``load``: sharded checkpoints over torch.distributed.checkpoint.
 
-See [Note: commit protocol] (``_files``) for the directory layout and crash safety,
+See [Note: commit protocol] (``files``) for the directory layout and crash safety,
 [Note: checkpoint keys] (``_state``) for what is saved, and [Note: errors reach every
 rank] (``_ranks``) for how a failure on one rank is raised on all of them.
 """
@@ -19,10 +19,10 @@ from torch import nn
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
-import raggedfsdp.checkpoint._files as _files
 import raggedfsdp.checkpoint._state as _state
-from raggedfsdp.checkpoint._files import CorruptCheckpointError
+from raggedfsdp.checkpoint import files
 from raggedfsdp.checkpoint._ranks import Ranks, default_group, quiet, side_group
+from raggedfsdp.checkpoint.files import CorruptCheckpointError
 
 __all__ = [
     "SaveHandle",
@@ -35,15 +35,6 @@ __all__ = [
 
 STRUCTURE = "train_state.pt"
 _DCP_METADATA = ".metadata"
-
-# Called with the name of each step of a save ("tmp_created", "data_written",
-# "marker_written", "committed", "cleanup"); tests set it to kill the process there.
-_fault_hook = None
-
-
-def _fault_point(name: str) -> None:
-    if _fault_hook is not None:
-        _fault_hook(name)
 
 
 # ---- save ---------------------------------------------------------------------------------
@@ -171,11 +162,11 @@ def save(
             )
         if ranks.rank == 0:
             _check_step(root, step)
-        report = _files.space_report(root, _state.local_nbytes(tensors))
+        report = files.space_report(root, _state.local_nbytes(tensors))
     except Exception as err:  # every rank raises it: see [Note: errors reach every rank]
         error = err
-    _files.check_space(root, ranks.exchange(report, error))
-    handle = SaveHandle(step, _files.step_dir(root, step))
+    files.check_space(root, ranks.exchange(report, error))
+    handle = SaveHandle(step, files.step_dir(root, step))
     if not async_save:
         _write(root, step, tensors, structure, keep_last, ranks, report["needed"])
         return handle
@@ -197,12 +188,12 @@ def save(
 
 def _check_step(root: Path, step: int) -> None:
     """Rank 0: no checkpoint of ``step`` or of a later step under ``root``."""
-    if _files.step_dir(root, step).exists():
+    if files.step_dir(root, step).exists():
         raise ValueError(
             f"save: a checkpoint of step {step} already exists at "
-            f"'{_files.step_dir(root, step)}'; save under another step or delete it first"
+            f"'{files.step_dir(root, step)}'; save under another step or delete it first"
         )
-    newer = [s for s, _ in _files.checkpoints(root) if s > step]
+    newer = [s for s, _ in files.checkpoints(root) if s > step]
     if newer:
         raise ValueError(
             f"save: '{root}' holds a checkpoint of step {newer[-1]}, later than step {step}: "
@@ -214,17 +205,17 @@ def _check_step(root: Path, step: int) -> None:
 
 def _write(root: Path, step: int, tensors, structure: bytes, keep_last, ranks, nbytes) -> None:
     """Lock, write, checksum, mark, commit and clean up (see [Note: commit protocol])."""
-    tmp, final = _files.tmp_dir(root, step), _files.step_dir(root, step)
+    tmp, final = files.tmp_dir(root, step), files.step_dir(root, step)
     with contextlib.ExitStack() as held:  # rank 0 holds the root's lock until the end
         error = None
         if ranks.rank == 0:
             try:
                 root.mkdir(parents=True, exist_ok=True)
-                held.enter_context(_files.RootLock(root))
+                held.enter_context(files.RootLock(root))
                 if tmp.exists():
-                    _files.remove(tmp)  # a killed save of this step: its job holds no lock
+                    files.remove(tmp)  # a killed save of this step: its job holds no lock
                 tmp.mkdir()
-                _files.write_file(tmp / STRUCTURE, structure)
+                files.write_file(tmp / STRUCTURE, structure)
             except Exception as err:
                 error = err
         ranks.agree(error)
@@ -233,7 +224,7 @@ def _write(root: Path, step: int, tensors, structure: bytes, keep_last, ranks, n
 
 def _write_locked(root, step, tmp, final, tensors, keep_last, ranks, nbytes) -> None:
     """``_write`` once ``tmp`` exists: data, checksums, marker, commit, cleanup."""
-    _fault_point("tmp_created")
+    files.fault_point("tmp_created")
     try:
         with quiet(ranks):
             metadata = dcp.save(
@@ -245,16 +236,16 @@ def _write_locked(root, step, tmp, final, tensors, keep_last, ranks, nbytes) -> 
     except (Exception, CheckpointException) as err:  # raised on every rank by DCP
         if ranks.rank == 0:
             with contextlib.suppress(OSError):
-                _files.remove(tmp)  # free what was written: the disk may be full
-        full = _files.disk_full(err, root, nbytes)
+                files.remove(tmp)  # free what was written: the disk may be full
+        full = files.disk_full(err, root, nbytes)
         if full is not None:
             raise full from err
         raise
-    _fault_point("data_written")
+    files.fault_point("data_written")
     # Every rank hashes a share of the data files; rank 0 records them all in the marker.
     data_files = sorted({info.relative_path for info in metadata.storage_data.values()})
     try:
-        mine = {n: _files.file_digest(tmp / n) for n in data_files[ranks.rank :: ranks.world]}
+        mine = {n: files.file_digest(tmp / n) for n in data_files[ranks.rank :: ranks.world]}
         error = None
     except Exception as err:
         mine, error = None, err
@@ -262,17 +253,17 @@ def _write_locked(root, step, tmp, final, tensors, keep_last, ranks, nbytes) -> 
     status = None
     if ranks.rank == 0:
         try:
-            files = {name: d for part in parts for name, d in part.items()}
+            digests = {name: d for part in parts for name, d in part.items()}
             for name in (_DCP_METADATA, STRUCTURE):
-                files[name] = _files.file_digest(tmp / name)
-            marker = _files.marker_bytes(step, ranks.world, files)
-            _files.write_file(tmp / _files.MARKER, marker)
-            _fault_point("marker_written")
-            _files.commit(tmp, final)
+                digests[name] = files.file_digest(tmp / name)
+            marker = files.marker_bytes(step, ranks.world, digests)
+            files.write_file(tmp / files.MARKER, marker)
+            files.fault_point("marker_written")
+            files.commit(tmp, final)
         except Exception as err:
             status = err
     ranks.agree(status)
-    _fault_point("committed")
+    files.fault_point("committed")
     if ranks.rank == 0:
         try:
             _cleanup(root, keep_last, step)
@@ -285,19 +276,19 @@ def _write_locked(root, step, tmp, final, tensors, keep_last, ranks, nbytes) -> 
 def _cleanup(root: Path, keep_last: int | None, step: int) -> None:
     """Rank 0, after the commit, holding the root's lock: drop left-overs of dead jobs, then
     all but the newest ``keep_last`` of the run's checkpoints (never the one of ``step``)."""
-    for stale in _files.stale_dirs(root):
-        _files.remove(stale)
+    for stale in files.stale_dirs(root):
+        files.remove(stale)
     if keep_last is None:
         return
-    found = [(s, p) for s, p in _files.checkpoints(root) if s <= step]
+    found = [(s, p) for s, p in files.checkpoints(root) if s <= step]
     for s, old in found[: max(0, len(found) - keep_last)]:
         if s != step:
-            _files.remove(old, hook=_fault_point)
+            files.remove(old, hook=files.fault_point)
 
 
 def latest_checkpoint(path: str | os.PathLike) -> Path | None:
     """The newest complete checkpoint under ``path`` (a root of ``save``), or None."""
-    found = _files.checkpoints(path)
+    found = files.checkpoints(path)
     return found[-1][1] if found else None
 
 
@@ -305,7 +296,7 @@ def list_checkpoints(path: str | os.PathLike) -> list[tuple[int, Path]]:
     """The complete checkpoints under ``path`` (a root of ``save``) as ``(step, directory)``,
     oldest first: the committed ones, each holding its marker (``verify_checkpoint``
     checks their files)."""
-    return _files.checkpoints(path)
+    return files.checkpoints(path)
 
 
 def verify_checkpoint(path: str | os.PathLike) -> str | None:
@@ -325,12 +316,12 @@ def verify_checkpoint(path: str | os.PathLike) -> str | None:
     """
     directory = Path(path)
     try:
-        record = _files.read_marker(directory) if directory.is_dir() else None
+        record = files.read_marker(directory) if directory.is_dir() else None
     except CorruptCheckpointError:
-        return f"its marker {_files.MARKER} is not a valid record (corrupted)"
+        return f"its marker {files.MARKER} is not a valid record (corrupted)"
     if record is None:
-        return _files.describe(directory)
-    return _files.verify(directory, record["files"], sorted(record["files"]))
+        return files.describe(directory)
+    return files.verify(directory, record["files"], sorted(record["files"]))
 
 
 # ---- load ---------------------------------------------------------------------------------
@@ -376,7 +367,7 @@ def load(
     found = error = None
     if ranks.rank == 0:
         try:
-            found = _files.resolve(path)
+            found = files.resolve(path)
         except Exception as err:  # CorruptCheckpointError too
             error = err
     _, directory = ranks.exchange(found, error)[0]
@@ -384,8 +375,8 @@ def load(
     # 1. the marker and the small files every rank reads
     error = None
     try:
-        record = _files.read_marker(directory)
-        problem = _files.verify(directory, record["files"], [_DCP_METADATA, STRUCTURE])
+        record = files.read_marker(directory)
+        problem = files.verify(directory, record["files"], [_DCP_METADATA, STRUCTURE])
         if problem:
             raise CorruptCheckpointError(_corrupt(directory, problem))
         structure = _state.read_structure((directory / STRUCTURE).read_bytes())
@@ -408,7 +399,7 @@ def load(
     if verify:
         try:
             data = sorted(n for n in record["files"] if n not in (_DCP_METADATA, STRUCTURE))
-            problem = _files.verify(directory, record["files"], data[ranks.rank :: ranks.world])
+            problem = files.verify(directory, record["files"], data[ranks.rank :: ranks.world])
             if problem:
                 raise CorruptCheckpointError(_corrupt(directory, problem))
         except Exception as err:

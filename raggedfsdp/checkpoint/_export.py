@@ -18,8 +18,8 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-import raggedfsdp.checkpoint._files as _files
 import raggedfsdp.checkpoint._state as _state
+import raggedfsdp.checkpoint.files as _files
 from raggedfsdp.checkpoint._api import _wait_pending
 from raggedfsdp.checkpoint._ranks import Ranks, default_group
 

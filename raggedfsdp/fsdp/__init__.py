@@ -6,7 +6,7 @@
 
 from raggedfsdp.fsdp._api import FSDP2_SURFACE, FSDPModule, UnshardHandle, fully_shard
 from raggedfsdp.fsdp._buffers import BufferView, ParamSlice, buffer_of, buffers_of
-from raggedfsdp.fsdp._fp8 import Float8BlockAllGather
+from raggedfsdp.fsdp._fp8 import Float8BlockAllGather, Fp8Layout
 from raggedfsdp.fsdp._group_ops import clip_grad_norm_
 from raggedfsdp.fsdp._hooks import reads_no_parameters
 from raggedfsdp.fsdp._policy import BlockPolicy, BlockRows, MixedPrecisionPolicy
@@ -18,6 +18,7 @@ __all__ = [
     "BufferView",
     "FSDPModule",
     "Float8BlockAllGather",
+    "Fp8Layout",
     "MixedPrecisionPolicy",
     "ParamSlice",
     "UnshardHandle",

@@ -105,7 +105,7 @@ def fully_shard(
             its own all-gather and reduce-scatter; the planner splits only where the
             padding saved costs more (on the wire and at the memory peak) than one more
             buffer's collectives, or where one buffer would hold over twice the group's
-            elements, see [Note: multi-buffer groups] in ``raggedfsdp/planner/_multi.py``.
+            elements, see [Note: multi-buffer groups] in ``raggedfsdp/planner/multi.py``.
             Default 4.
         buffer_alpha_bytes: that cost of one more buffer, in bytes of padding, without
             the twice-the-group rule (negative: split wherever the padding grows by less

@@ -1,5 +1,5 @@
 """One ``fully_shard`` group: its buffers' ``ParamGroup``s, one or several (see [Note:
-multi-buffer groups] in ``raggedfsdp/planner/_multi.py``).
+multi-buffer groups] in ``raggedfsdp/planner/multi.py``).
 
 Every ``FSDPState`` with parameters holds a ``GroupSet``, so one buffer and many are one
 case. It runs each action on every buffer's ``ParamGroup`` (buffers may live on

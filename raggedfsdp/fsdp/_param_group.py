@@ -9,8 +9,6 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 
-from raggedfsdp._collectives import all_gather_single, completed_work
-from raggedfsdp.dbuffer import DBuffer
 from raggedfsdp.fsdp._buffers import OWNER_ATTR, BufferView
 from raggedfsdp.fsdp._device import streams_for
 from raggedfsdp.fsdp._fp8 import Float8BlockAllGather, Fp8Layout
@@ -22,8 +20,10 @@ from raggedfsdp.fsdp._state import PostForwardGroup
 from raggedfsdp.fsdp._subclass import SubclassGather, values_of
 from raggedfsdp.fsdp._tp import tp_spec_of
 from raggedfsdp.fsdp._trace import phase
-from raggedfsdp.placement import RaggedShard
+from raggedfsdp.fsdp.dbuffer import DBuffer
 from raggedfsdp.planner import BufferLayout, TensorSpec
+from raggedfsdp.tensor.collectives import all_gather_single, completed_work
+from raggedfsdp.tensor.placement import RaggedShard
 
 __all__ = [
     "ParamGroup",

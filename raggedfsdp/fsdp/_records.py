@@ -15,7 +15,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from raggedfsdp.fsdp._tp import TPSpec
-from raggedfsdp.placement import RaggedShard
+from raggedfsdp.tensor.placement import RaggedShard
 
 __all__ = ["ParamRef", "PendingGather", "PendingReduce", "ShardedState"]
 

@@ -64,8 +64,8 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPolicy
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from raggedfsdp._collectives import all_gather_single
 from raggedfsdp.fsdp._mesh import shard_mesh
+from raggedfsdp.tensor.collectives import all_gather_single
 
 if TYPE_CHECKING:
     from raggedfsdp.fsdp._param_group import ParamGroup, ParamRef

@@ -9,7 +9,7 @@ from torch import Tensor, nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 from raggedfsdp.fsdp import BlockPolicy, BlockRows
-from raggedfsdp.optim._muon_plan import WholeMatrixPlan, comm_free_matrices, plan_whole_matrices
+from raggedfsdp.optim.muon_plan import WholeMatrixPlan, comm_free_matrices, plan_whole_matrices
 from raggedfsdp.planner import DEFAULT_ALIGNMENT_BYTES, WHOLE, TensorSpec
 
 __all__ = [

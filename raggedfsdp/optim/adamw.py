@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from raggedfsdp.fsdp import BufferView, buffer_of
-from raggedfsdp.optim._flat import FlatOptimizer, WholeStep, check_hyper, like_param, local
+from raggedfsdp.optim.flat import FlatOptimizer, WholeStep, check_hyper, like_param, local
 
 __all__ = ["AdamW", "FlatAdamW"]
 

@@ -73,17 +73,17 @@ from dataclasses import dataclass, field
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from raggedfsdp._dtensor_ext import ragged_axis, ragged_piece
 from raggedfsdp.fsdp import BufferView, buffer_of
-from raggedfsdp.optim._flat import FlatOptimizer, WholeStep, check_hyper, like_param, local
-from raggedfsdp.optim._quant import (
+from raggedfsdp.optim.flat import FlatOptimizer, WholeStep, check_hyper, like_param, local
+from raggedfsdp.optim.quant import (
     Blocks,
     dequantize,
     dynamic_tree_map,
     param_block_lengths,
     quantize_,
 )
-from raggedfsdp.placement import RaggedShard
+from raggedfsdp.tensor import ragged_axis, ragged_piece
+from raggedfsdp.tensor.placement import RaggedShard
 
 __all__ = [
     "AdamW8bit",

@@ -84,10 +84,16 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from raggedfsdp._dtensor_ext import RaggedPiece, ragged_piece
 from raggedfsdp.fsdp import buffer_of
-from raggedfsdp.optim._flat import Item, check_hyper, like_param, local
-from raggedfsdp.optim._muon_plan import (
+from raggedfsdp.optim._muon_policy import (
+    MuonBlockPolicy,
+    default_use_muon,
+    muon_block_policy,
+    muon_param_groups,
+)
+from raggedfsdp.optim.adamw import FlatAdamW
+from raggedfsdp.optim.flat import Item, check_hyper, like_param, local
+from raggedfsdp.optim.muon_plan import (
     Exchange,
     StepPlan,
     build_plan,
@@ -97,14 +103,8 @@ from raggedfsdp.optim._muon_plan import (
     plan_matrices,
     plan_whole_matrices,
 )
-from raggedfsdp.optim._muon_policy import (
-    MuonBlockPolicy,
-    default_use_muon,
-    muon_block_policy,
-    muon_param_groups,
-)
-from raggedfsdp.optim.adamw import FlatAdamW
-from raggedfsdp.placement import RaggedShard
+from raggedfsdp.tensor import RaggedPiece, ragged_piece
+from raggedfsdp.tensor.placement import RaggedShard
 
 __all__ = [
     "Muon",

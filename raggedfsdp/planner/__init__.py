@@ -36,7 +36,7 @@ closed form: a tensor fits before the next boundary ``b``, or straddles ``b`` wi
 a block start on it; a tensor holding two boundaries needs ``S`` to be a multiple
 of its block (it contains a whole shard). The paper runs this as a DP over blocks;
 here it is O(1) per tensor, and later tensors may also fill the padding holes left
-by earlier ones (``_search.greedy``), which never makes the end later. ``S`` is
+by earlier ones (``search.greedy``), which never makes the end later. ``S`` is
 searched over sizes that are multiples of the alignment and of the block of every
 tensor long enough (``>= 2S``) to contain a whole shard: from the lower bound up,
 one alignment unit at a time for ``_LINEAR_STEPS`` sizes, then galloping and
@@ -81,16 +81,7 @@ the catalogue (``benchmarks/results/planner.md``): they lower the padding of one
 buffer per group, and nothing once ``max_buffers`` splits the group.
 """
 
-from raggedfsdp.planner._exact import plan_exact
 from raggedfsdp.planner._layout import BufferLayout, TensorPlacement
-from raggedfsdp.planner._multi import (
-    DEFAULT_MAX_BUFFERS,
-    MAX_UNSHARDED_RATIO,
-    MultiPlan,
-    default_alpha_bytes,
-    plan_buffers,
-    split_objective,
-)
 from raggedfsdp.planner._peers import PeerPadding, fsdp1_padding, fsdp2_padding, zero3_padding
 from raggedfsdp.planner._plan import (
     DEFAULT_ALIGNMENT_BYTES,
@@ -100,7 +91,16 @@ from raggedfsdp.planner._plan import (
     plan_buffer,
     plan_groups,
 )
-from raggedfsdp.planner._spec import WHOLE, TensorSpec, with_block_rows
+from raggedfsdp.planner._spec import WHOLE, TensorSpec, dtype_name_and_itemsize, with_block_rows
+from raggedfsdp.planner.exact import plan_exact
+from raggedfsdp.planner.multi import (
+    DEFAULT_MAX_BUFFERS,
+    MAX_UNSHARDED_RATIO,
+    MultiPlan,
+    default_alpha_bytes,
+    plan_buffers,
+    split_objective,
+)
 
 __all__ = [
     "DEFAULT_ALIGNMENT_BYTES",
@@ -115,6 +115,7 @@ __all__ = [
     "TensorSpec",
     "clear_plan_cache",
     "default_alpha_bytes",
+    "dtype_name_and_itemsize",
     "fsdp1_padding",
     "fsdp2_padding",
     "gap_eligible",

@@ -278,7 +278,7 @@ class BufferLayout:
     def ragged_shard_args(self, name: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """``(dims, local_units)`` for ``RaggedShard(dims, local_units)`` of ``name``.
 
-        ``raggedfsdp.placement.RaggedShard.from_layout`` builds the placement from them.
+        ``raggedfsdp.tensor.placement.RaggedShard.from_layout`` builds the placement from them.
 
         ``dims`` is every dim but the last (``(0,)`` for a 1-D tensor, whose rows are
         its elements; ``(0,)`` for a stack with member gaps, cut into whole members);

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from raggedfsdp.planner._layout import BufferLayout, TensorPlacement
-from raggedfsdp.planner._search import search
 from raggedfsdp.planner._spec import TensorSpec, dtype_name_and_itemsize
+from raggedfsdp.planner.search import search
 
 DEFAULT_ALIGNMENT_BYTES = 128
 """Default alignment of shard starts and tensor offsets, in bytes.

@@ -96,7 +96,7 @@ def _count_hooks():
 def _train(fully_shard, rank, mesh, per_linear: bool, precompute: bool) -> dict:
     from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
-    from raggedfsdp.profiling import CommCounter
+    from raggedfsdp.tools.profiling import CommCounter
 
     model = _model()
     if per_linear:

@@ -41,8 +41,7 @@ from torch.distributed.tensor import DTensor, init_device_mesh
 import raggedfsdp
 from raggedfsdp import BlockPolicy, checkpoint, fully_shard
 from raggedfsdp.checkpoint import CorruptCheckpointError
-from raggedfsdp.checkpoint import _api as checkpoint_api
-from raggedfsdp.checkpoint import _files as checkpoint_files
+from raggedfsdp.checkpoint import files as checkpoint_files
 from raggedfsdp.models import get_config
 from raggedfsdp.models.transformer import Transformer, lm_loss
 from raggedfsdp.optim import AdamW8bit, Muon, adamw8bit_block_policy, muon_param_groups
@@ -342,7 +341,7 @@ def _damaged_copy(base):
 
 
 # ---- crash safety: SIGKILL at every step of a save ----------------------------------------
-# Points of _api._write (see [Note: commit protocol]) plus two inside DCP: half-way through
+# Points of a save (``files.fault_point``) (see [Note: commit protocol]) plus two inside DCP: half-way through
 # a data file, and with every data file written but no DCP metadata.
 CRASH_POINTS = [
     "tmp_created",
@@ -375,7 +374,7 @@ def _arm(point):
     elif point == "before_metadata":
         filesystem.FileSystemWriter.finish = _die
     else:
-        checkpoint_api._fault_hook = lambda name: _die() if name == point else None
+        checkpoint_files.fault_hook = lambda name: _die() if name == point else None
 
 
 def _crash_child(root, point):

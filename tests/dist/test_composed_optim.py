@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard, init_device_mesh
 
 import raggedfsdp
-from raggedfsdp._dtensor_ext import ragged_piece
+from raggedfsdp.tensor import ragged_piece
 from raggedfsdp.models.transformer import Transformer, lm_loss
 from raggedfsdp.optim import AdamW8bit, Muon, adamw8bit_block_policy
 from raggedfsdp.optim.muon import muon_param_groups

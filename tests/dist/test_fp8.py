@@ -41,7 +41,7 @@ from raggedfsdp import Float8BlockAllGather, MixedPrecisionPolicy, fully_shard
 from raggedfsdp.fsdp import buffers_of
 from raggedfsdp.models import get_config
 from raggedfsdp.models.transformer import Transformer, lm_loss
-from raggedfsdp.profiling import (
+from raggedfsdp.tools.profiling import (
     COPY_OPS,
     CommCounter,
     CopyCounter,

@@ -23,7 +23,7 @@ from torch.utils.checkpoint import checkpoint
 
 import raggedfsdp
 from raggedfsdp.fsdp import buffers_of, reads_no_parameters
-from raggedfsdp.profiling import CommCounter
+from raggedfsdp.tools.profiling import CommCounter
 from tests.harness import run_cases, spawn
 
 pytestmark = pytest.mark.numerics

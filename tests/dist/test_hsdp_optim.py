@@ -32,7 +32,7 @@ from raggedfsdp.models import get_config
 from raggedfsdp.models.transformer import Transformer, lm_loss
 from raggedfsdp.optim import AdamW8bit, Muon, adamw8bit_block_policy, muon_block_policy
 from raggedfsdp.optim.muon import default_use_muon, muon_param_groups
-from raggedfsdp.profiling import CommCounter
+from raggedfsdp.tools.profiling import CommCounter
 from tests.dist import test_adamw8bit as t8
 from tests.dist import test_muon as tm
 from tests.harness import run_cases, spawn

@@ -35,12 +35,12 @@ from torch.distributed.tensor import DTensor, init_device_mesh
 
 import raggedfsdp
 from raggedfsdp import checkpoint
-from raggedfsdp._dtensor_ext import ragged_piece
+from raggedfsdp.tensor import ragged_piece
 from raggedfsdp.fsdp import buffers_of
 from raggedfsdp.models import get_config
 from raggedfsdp.models.transformer import Transformer, lm_loss
 from raggedfsdp.optim import AdamW8bit, Muon, adamw8bit_block_policy, muon_param_groups
-from raggedfsdp.profiling import CommCounter, CopyCounter, buffer_storages
+from raggedfsdp.tools.profiling import CommCounter, CopyCounter, buffer_storages
 from tests.harness import run_cases, spawn
 from tests.numerics import assert_losses_match, assert_param_matches, reference, reference_threads
 

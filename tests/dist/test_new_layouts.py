@@ -41,7 +41,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_modul
 
 import raggedfsdp
 from raggedfsdp import checkpoint
-from raggedfsdp._dtensor_ext import ragged_piece
+from raggedfsdp.tensor import ragged_piece
 from raggedfsdp.fsdp import buffers_of, clip_grad_norm_
 from raggedfsdp.models.transformer import expert_parallel, lm_loss
 from raggedfsdp.optim import AdamW8bit, Muon, adamw8bit_block_policy, muon_param_groups

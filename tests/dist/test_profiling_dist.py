@@ -19,7 +19,7 @@ from raggedfsdp import MixedPrecisionPolicy, fully_shard, parallelize
 from raggedfsdp.fsdp import buffers_of
 from raggedfsdp.models import get_config
 from raggedfsdp.models.transformer import Transformer, lm_loss
-from raggedfsdp.profiling import (
+from raggedfsdp.tools.profiling import (
     CommCounter,
     CopyCounter,
     buffer_storages,

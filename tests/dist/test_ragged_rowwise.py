@@ -14,7 +14,7 @@
   chunk, one backward per chunk) against FSDP2 doing the same.
 
 Patterns include ranks that hold no rows ([Note: row-wise ops] in
-``raggedfsdp._dtensor_ext``).
+``raggedfsdp.tensor._dtensor_ext``).
 """
 
 from __future__ import annotations

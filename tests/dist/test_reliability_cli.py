@@ -31,7 +31,7 @@ import torch
 from raggedfsdp import checkpoint
 from raggedfsdp.models import get_config
 from raggedfsdp.models.transformer import Transformer
-from raggedfsdp.train._cli import main
+from raggedfsdp.cli.train import main
 
 COMMON = [
     "--model", "llama-tiny", "--nproc", "2", "--batch-size", "4", "--seq-len", "16",

@@ -33,7 +33,7 @@ from raggedfsdp import RaggedShard, checkpoint
 from raggedfsdp.fsdp import buffers_of
 from raggedfsdp.models import get_config
 from raggedfsdp.models.transformer import Transformer, lm_loss
-from raggedfsdp.profiling import CommCounter, CopyCounter, buffer_storages
+from raggedfsdp.tools.profiling import CommCounter, CopyCounter, buffer_storages
 from tests.harness import run_cases, spawn
 from tests.numerics import (
     assert_losses_match,

@@ -17,7 +17,7 @@ from torch.distributed.tensor import init_device_mesh
 from raggedfsdp import MixedPrecisionPolicy, fully_shard
 from raggedfsdp.models import get_config
 from raggedfsdp.models.transformer import Transformer, lm_loss
-from raggedfsdp.profiling import CommCounter, CopyCounter, buffer_storages
+from raggedfsdp.tools.profiling import CommCounter, CopyCounter, buffer_storages
 from tests.dist.test_fully_shard import SEQ, _micro_batches
 from tests.harness import spawn
 

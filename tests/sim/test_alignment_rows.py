@@ -8,7 +8,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from raggedfsdp import fully_shard
 from raggedfsdp.fsdp import buffers_of
-from raggedfsdp.simulate import fake_world
+from raggedfsdp.tools.simulate import fake_world
 
 WORLD, ROWS, WIDTH = 1024, 64, 260  # 64 rows of 260 fp32 elements
 

@@ -9,7 +9,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from raggedfsdp import fully_shard
 from raggedfsdp.fsdp import buffer_of, buffers_of
 from raggedfsdp.planner import BufferLayout
-from raggedfsdp.simulate import fake_world
+from raggedfsdp.tools.simulate import fake_world
 
 P = 64  # parameters in one buffer
 

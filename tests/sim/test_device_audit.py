@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-import raggedfsdp.dbuffer as dbuffer_module
+import raggedfsdp.fsdp.dbuffer as dbuffer_module
 from raggedfsdp import fully_shard, parallelize
 from raggedfsdp.models import get_config
 from raggedfsdp.models.transformer import Transformer, lm_loss
@@ -47,4 +47,4 @@ def test_the_audit_catches_a_factory_without_a_device(fake_world, monkeypatch):
         x = torch.randint(0, model.config.vocab_size, (2, SEQ + 1))
         lm_loss(model(x[:, :-1]), x[:, 1:]).backward()
     assert audit.violations, "the audit missed torch.zeros(1) without a device"
-    assert set(audit.violations) == {"raggedfsdp/dbuffer.py:2 torch.zeros"}
+    assert set(audit.violations) == {"raggedfsdp/fsdp/dbuffer.py:2 torch.zeros"}

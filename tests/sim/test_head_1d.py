@@ -10,8 +10,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from raggedfsdp import BlockPolicy, fully_shard
 from raggedfsdp.fsdp import buffers_of
-from raggedfsdp.placement import RaggedShard
-from raggedfsdp.simulate import fake_world
+from raggedfsdp.tensor.placement import RaggedShard
+from raggedfsdp.tools.simulate import fake_world
 
 VOCAB, DIM = 32_000, 64
 

@@ -14,7 +14,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.mem_tracker import MemTracker
 
 import raggedfsdp
-from raggedfsdp.simulate import fake_world
+from raggedfsdp.tools.simulate import fake_world
 
 VOCAB, DIM, WORLD = 32_000, 64, 16_384
 

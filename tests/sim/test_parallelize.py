@@ -8,7 +8,7 @@ import torch.distributed.fsdp as torch_fsdp
 import raggedfsdp
 from raggedfsdp import MeshSpec, parallelize, parse_mesh_spec
 from raggedfsdp.models import Transformer, get_config
-from raggedfsdp.simulate import fake_world
+from raggedfsdp.tools.simulate import fake_world
 
 
 def _sharded_modules(model) -> list[str]:

@@ -1,4 +1,4 @@
-"""The simulator (``raggedfsdp.simulate``) checked against bytes computed by hand.
+"""The simulator (``raggedfsdp.tools.simulate``) checked against bytes computed by hand.
 
 One step of a 2-block model at world 64 on fake tensors, by raggedfsdp and by torch's
 FSDP2: the tracker's sharded-parameter bytes must be the layout's (raggedfsdp: S per
@@ -18,14 +18,12 @@ import re
 import pytest
 import torch
 
-from raggedfsdp.simulate import (
+from raggedfsdp.cli.simulate import cross_check, main, plot_timeline
+from raggedfsdp.tools.simulate import (
     SimConfig,
     build_model,
     buildable_config,
-    cross_check,
     fake_world,
-    main,
-    plot_timeline,
     shard_model,
     simulate,
 )

@@ -17,6 +17,7 @@ import sys
 import pytest
 import torch
 
+from raggedfsdp.cli.simulate import format_sweep, main, plot_sweep, sweep_row
 from raggedfsdp.models import (
     Transformer,
     get_config,
@@ -25,7 +26,7 @@ from raggedfsdp.models import (
     num_params,
     param_groups,
 )
-from raggedfsdp.simulate import SimConfig, format_sweep, main, plot_sweep, simulate, sweep_row
+from raggedfsdp.tools.simulate import SimConfig, simulate
 
 # A GPT-2-style config: LayerNorms with biases, biased projections, a GELU MLP, learned
 # positions, and a head with a bias (its 1-D bias is longer than a shard at 8 ranks).
@@ -78,7 +79,7 @@ def swept(tiny_gpt):
 
     out = io.StringIO()
     with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(out):
-        mp.setattr("raggedfsdp._simulate_cli.simulate", recording)
+        mp.setattr("raggedfsdp.cli.simulate.simulate", recording)
         assert main(["--model", str(tiny_gpt), "--world", WORLDS, *SEQ, "--json"]) == 0
     return json.loads(out.getvalue()), made
 

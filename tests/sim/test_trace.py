@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from raggedfsdp import fully_shard
-from raggedfsdp.simulate import fake_world
+from raggedfsdp.tools.simulate import fake_world
 
 GROUPS = ("Linear(weight, bias)", "Sequential(1.weight, 1.bias)")
 PHASES = (

@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 from raggedfsdp.optim import AdamW8bit, adamw8bit_block_policy
-from raggedfsdp.optim._quant import (
+from raggedfsdp.optim.adamw8bit import is_8bit_eligible
+from raggedfsdp.optim.quant import (
     Blocks,
     decode,
     dequantize,
@@ -20,7 +21,6 @@ from raggedfsdp.optim._quant import (
     param_block_lengths,
     quantize_,
 )
-from raggedfsdp.optim.adamw8bit import is_8bit_eligible
 from tests.numerics import U
 
 pytestmark = pytest.mark.numerics

@@ -14,9 +14,9 @@ from raggedfsdp.planner import (
     fsdp1_padding,
     fsdp2_padding,
     plan_groups,
+    with_block_rows,
     zero3_padding,
 )
-from raggedfsdp.planner._spec import with_block_rows
 
 # published totals (billions); ours count no multi-token-prediction module
 PUBLISHED = {

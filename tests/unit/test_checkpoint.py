@@ -11,30 +11,31 @@ import torch
 from torch import nn
 
 from raggedfsdp import checkpoint
-from raggedfsdp.checkpoint import CorruptCheckpointError, _files
+from raggedfsdp.checkpoint import CorruptCheckpointError
+from raggedfsdp.checkpoint import files as ckpt_files
 
 
 # ---- the directory protocol ---------------------------------------------------------------
 def _fake_checkpoint(root, step, files=None):
-    d = _files.step_dir(root, step)
+    d = ckpt_files.step_dir(root, step)
     d.mkdir(parents=True)
     files = files or {"a.bin": b"hello"}
     for name, data in files.items():
         (d / name).write_bytes(data)
-    digests = {name: _files.file_digest(d / name) for name in files}
-    (d / _files.MARKER).write_bytes(_files.marker_bytes(step, 1, digests))
+    digests = {name: ckpt_files.file_digest(d / name) for name in files}
+    (d / ckpt_files.MARKER).write_bytes(ckpt_files.marker_bytes(step, 1, digests))
     return d
 
 
 def test_names_and_digest(tmp_path):
-    assert _files.step_dir(tmp_path, 42).name == "step_00000042"
-    assert _files.tmp_dir(tmp_path, 42).name == ".step_00000042.tmp"
-    assert _files.step_dir(tmp_path, 123456789).name == "step_123456789"
+    assert ckpt_files.step_dir(tmp_path, 42).name == "step_00000042"
+    assert ckpt_files.tmp_dir(tmp_path, 42).name == ".step_00000042.tmp"
+    assert ckpt_files.step_dir(tmp_path, 123456789).name == "step_123456789"
     f = tmp_path / "x"
-    _files.write_file(f, b"abc" * 1000)
+    ckpt_files.write_file(f, b"abc" * 1000)
     assert f.read_bytes() == b"abc" * 1000
     assert [p.name for p in tmp_path.iterdir()] == ["x"]  # no temporary left
-    assert _files.file_digest(f) == {
+    assert ckpt_files.file_digest(f) == {
         "size": 3000,
         "sha256": hashlib.sha256(b"abc" * 1000).hexdigest(),
     }
@@ -47,12 +48,12 @@ def test_discovery_picks_the_newest_complete_checkpoint(tmp_path):
     (tmp_path / ".step_00000012.tmp").mkdir()  # a save in progress or killed
     (tmp_path / ".step_00000008.trash").mkdir()  # a deletion in progress
     (tmp_path / "notes.txt").write_text("x")
-    assert [s for s, _ in _files.checkpoints(tmp_path)] == [9, 10]
-    assert _files.resolve(tmp_path) == (10, _files.step_dir(tmp_path, 10))
-    assert _files.resolve(tmp_path / "step_00000009") == (9, _files.step_dir(tmp_path, 9))
-    assert checkpoint.latest_checkpoint(tmp_path) == _files.step_dir(tmp_path, 10)
+    assert [s for s, _ in ckpt_files.checkpoints(tmp_path)] == [9, 10]
+    assert ckpt_files.resolve(tmp_path) == (10, ckpt_files.step_dir(tmp_path, 10))
+    assert ckpt_files.resolve(tmp_path / "step_00000009") == (9, ckpt_files.step_dir(tmp_path, 9))
+    assert checkpoint.latest_checkpoint(tmp_path) == ckpt_files.step_dir(tmp_path, 10)
     assert checkpoint.latest_checkpoint(tmp_path / "nowhere") is None
-    assert [p.name for p in _files.stale_dirs(tmp_path)] == [
+    assert [p.name for p in ckpt_files.stale_dirs(tmp_path)] == [
         ".step_00000008.trash",
         ".step_00000012.tmp",
     ]
@@ -60,41 +61,41 @@ def test_discovery_picks_the_newest_complete_checkpoint(tmp_path):
 
 def test_resolve_errors(tmp_path):
     with pytest.raises(ValueError, match="no complete checkpoint at .*it does not exist"):
-        _files.resolve(tmp_path / "missing")
+        ckpt_files.resolve(tmp_path / "missing")
     with pytest.raises(ValueError, match="holds no step_XXXXXXXX directory"):
-        _files.resolve(tmp_path)
+        ckpt_files.resolve(tmp_path)
     (tmp_path / ".step_00000003.tmp").mkdir()
     with pytest.raises(ValueError, match=r"only interrupted saves \['.step_00000003.tmp'\]"):
-        _files.resolve(tmp_path)
+        ckpt_files.resolve(tmp_path)
     (tmp_path / "step_00000004").mkdir()
     with pytest.raises(ValueError, match="has no checkpoint.json .an interrupted save"):
-        _files.resolve(tmp_path / "step_00000004")
+        ckpt_files.resolve(tmp_path / "step_00000004")
     (tmp_path / "file").write_text("x")
     with pytest.raises(ValueError, match="it is not a directory"):
-        _files.resolve(tmp_path / "file")
+        ckpt_files.resolve(tmp_path / "file")
 
 
 def test_corrupted_marker_is_an_error_not_a_fallback(tmp_path):
     _fake_checkpoint(tmp_path, 1)
     newest = _fake_checkpoint(tmp_path, 2)
-    (newest / _files.MARKER).write_text("{not json")
+    (newest / ckpt_files.MARKER).write_text("{not json")
     with pytest.raises(CorruptCheckpointError, match="step_00000002.*marker checkpoint.json"):
-        _files.resolve(tmp_path)
-    (newest / _files.MARKER).write_text(json.dumps({"format": "other"}))
+        ckpt_files.resolve(tmp_path)
+    (newest / ckpt_files.MARKER).write_text(json.dumps({"format": "other"}))
     with pytest.raises(CorruptCheckpointError, match="not a valid raggedfsdp-checkpoint/1"):
-        _files.resolve(newest)
+        ckpt_files.resolve(newest)
 
 
 def test_verify_detects_missing_truncated_and_corrupted_files(tmp_path):
     d = _fake_checkpoint(tmp_path, 1, {"a": b"0123456789", "b": b"x" * 100})
-    files = _files.read_marker(d)["files"]
-    assert _files.verify(d, files, ["a", "b"]) is None
+    files = ckpt_files.read_marker(d)["files"]
+    assert ckpt_files.verify(d, files, ["a", "b"]) is None
     (d / "b").write_bytes(b"x" * 99)
-    assert "has 99 bytes, the marker recorded 100 (truncated?)" in _files.verify(d, files, "ab")
+    assert "has 99 bytes, the marker recorded 100 (truncated?)" in ckpt_files.verify(d, files, "ab")
     (d / "b").write_bytes(b"x" * 99 + b"y")
-    assert "'b' does not match its recorded sha256" in _files.verify(d, files, "ab")
+    assert "'b' does not match its recorded sha256" in ckpt_files.verify(d, files, "ab")
     (d / "a").unlink()
-    assert _files.verify(d, files, "ab") == "file 'a' is missing"
+    assert ckpt_files.verify(d, files, "ab") == "file 'a' is missing"
 
 
 def test_remove_hides_first_then_deletes(tmp_path):
@@ -104,7 +105,7 @@ def test_remove_hides_first_then_deletes(tmp_path):
     def hook(point):  # at the hook, the checkpoint is already out of sight
         seen.append((point, d.exists(), (tmp_path / ".step_00000005.trash").exists()))
 
-    _files.remove(d, hook=hook)
+    ckpt_files.remove(d, hook=hook)
     assert seen == [("cleanup", False, True)]
     assert list(tmp_path.iterdir()) == []
 
@@ -173,7 +174,7 @@ def test_round_trip_tied_sgd_momentum_and_extra(tmp_path):
     _step(model, opt)
     _step(fresh, fresh_opt)
     _same(_snapshot(fresh, fresh_opt), _snapshot(model, opt))
-    record = _files.read_marker(tmp_path / "step_00000007")
+    record = ckpt_files.read_marker(tmp_path / "step_00000007")
     assert record["step"] == 7 and set(record["files"]) >= {".metadata", "train_state.pt"}
 
 
@@ -183,10 +184,10 @@ def test_keep_last_and_the_model_only(tmp_path):
     for step in range(1, 6):
         _step(model, opt, 1)
         checkpoint.save(tmp_path, model, opt, step=step, keep_last=2)
-    assert [s for s, _ in _files.checkpoints(tmp_path)] == [4, 5]
+    assert [s for s, _ in ckpt_files.checkpoints(tmp_path)] == [4, 5]
     checkpoint.save(tmp_path, model, step=6, keep_last=None)  # no optimizer
     checkpoint.save(tmp_path, model, opt, step=7, keep_last=None)
-    assert [s for s, _ in _files.checkpoints(tmp_path)] == [4, 5, 6, 7]
+    assert [s for s, _ in ckpt_files.checkpoints(tmp_path)] == [4, 5, 6, 7]
     fresh = _Net(seed=3)
     assert checkpoint.load(tmp_path / "step_00000006", fresh) == (6, None)
     assert all(torch.equal(a, b) for a, b in zip(fresh.parameters(), model.parameters()))
@@ -209,8 +210,8 @@ def test_save_errors(tmp_path):
     checkpoint.save(tmp_path, model, opt, step=1)
     with pytest.raises(ValueError, match="a checkpoint of step 1 already exists"):
         checkpoint.save(tmp_path, model, opt, step=1)
-    assert [s for s, _ in _files.checkpoints(tmp_path)] == [1]
-    assert _files.stale_dirs(tmp_path) == []
+    assert [s for s, _ in ckpt_files.checkpoints(tmp_path)] == [1]
+    assert ckpt_files.stale_dirs(tmp_path) == []
 
 
 def _mismatch_cases():

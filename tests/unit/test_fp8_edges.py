@@ -25,8 +25,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from raggedfsdp.fsdp import Float8BlockAllGather
-from raggedfsdp.fsdp._fp8 import Fp8Layout
+from raggedfsdp.fsdp import Float8BlockAllGather, Fp8Layout
 from raggedfsdp.planner import DEFAULT_ALIGNMENT_BYTES, TensorSpec, plan_buffer
 
 pytestmark = pytest.mark.numerics

@@ -72,7 +72,7 @@ def test_an_untested_torch_is_refused_unless_asked_for():
         "try:\n"
         "    with warnings.catch_warnings(record=True) as seen:\n"
         "        warnings.simplefilter('always')\n"
-        "        import raggedfsdp.placement\n"
+        "        import raggedfsdp.tensor.placement\n"
         "    print([str(w.message) for w in seen if 'untested' in str(w.message).lower()\n"
         "           or 'tested on torch' in str(w.message)])\n"
         "except ImportError as e:\n"

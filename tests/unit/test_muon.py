@@ -13,18 +13,18 @@ from torch.optim._muon import _zeropower_via_newtonschulz as torch_ns
 from raggedfsdp.models import get_config, param_groups
 from raggedfsdp.models.transformer import Transformer
 from raggedfsdp.optim import Muon, muon_block_policy, muon_param_groups
-from raggedfsdp.optim._muon_plan import (
-    assign_roots,
-    comm_free_matrices,
-    ns_flops,
-    plan_rounds,
-    plan_whole_matrices,
-)
 from raggedfsdp.optim.muon import (
     DEFAULT_NS_COEFFICIENTS,
     adjust_lr,
     default_use_muon,
     zeropower_via_newtonschulz,
+)
+from raggedfsdp.optim.muon_plan import (
+    assign_roots,
+    comm_free_matrices,
+    ns_flops,
+    plan_rounds,
+    plan_whole_matrices,
 )
 from raggedfsdp.planner import WHOLE, TensorSpec, plan_buffer
 

@@ -19,14 +19,14 @@ from torch import nn
 import raggedfsdp.optim
 from raggedfsdp.fsdp import ParamSlice
 from raggedfsdp.optim import AdamW, AdamW8bit, Muon
-from raggedfsdp.optim._flat import (
+from raggedfsdp.optim.flat import (
     check_hyper,
     decay_,
     decay_runs,
     partition_by_buffer,
     why_not_whole,
 )
-from raggedfsdp.optim._quant import Blocks, dynamic_tree_map
+from raggedfsdp.optim.quant import Blocks, dynamic_tree_map
 
 pytestmark = pytest.mark.numerics
 

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from raggedfsdp import RaggedShard
-from raggedfsdp._dtensor_ext import _range_to_boxes
+from raggedfsdp.tensor import range_to_boxes
 
 
 def test_layout_of_a_rank_with_zero_blocks():
@@ -73,7 +73,7 @@ def test_range_to_boxes_tiles_the_range_in_order(dims, data):
     total = math.prod(dims)
     start = data.draw(st.integers(0, total))
     end = data.draw(st.integers(start, total))
-    boxes = _range_to_boxes(start, end, dims)
+    boxes = range_to_boxes(start, end, dims)
     assert len(boxes) <= 2 * len(dims) - 1
     covered = []
     for offsets, sizes in boxes:

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
+from raggedfsdp.cli.plan import main
 from raggedfsdp.planner import default_alpha_bytes
-from raggedfsdp.planner._cli import main
 
 JSON_KEYS = {
     "padding_ratio",

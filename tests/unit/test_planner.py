@@ -17,9 +17,9 @@ from raggedfsdp.planner import (
     TensorSpec,
     plan_buffer,
     plan_groups,
+    with_block_rows,
 )
-from raggedfsdp.planner._search import lower_bound_shard_size, next_admissible
-from raggedfsdp.planner._spec import with_block_rows
+from raggedfsdp.planner.search import lower_bound_shard_size, next_admissible
 
 
 # --- an independent checker: element by element -----------------------------------------
@@ -426,7 +426,9 @@ def test_layout_lookup_errors():
 
 def test_ragged_shard_placement_from_the_layout():
     pytest.importorskip("torch")
-    from raggedfsdp.placement import RaggedShard  # the runtime's conversion; the planner has none
+    from raggedfsdp.tensor.placement import (
+        RaggedShard,  # the runtime's conversion; the planner has none
+    )
 
     specs = [TensorSpec(name="w", shape=(6, 4)), TensorSpec(name="e", shape=(2, 3, 4), stack=True)]
     layout = plan_buffer(specs, 3, dtype="float32", alignment_bytes=4)

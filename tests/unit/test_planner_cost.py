@@ -17,19 +17,19 @@ import pytest
 
 from raggedfsdp.planner import (
     TensorSpec,
-    _multi,
     default_alpha_bytes,
+    multi,
     plan_buffers,
     split_objective,
 )
-from raggedfsdp.planner._exact import plan_buffers_exact
+from raggedfsdp.planner.exact import plan_buffers_exact
 
 OLD_ALPHA_PER_RANK = 128 << 10  # the linear cost of earlier versions, bytes per rank
 
 
 # ---- the constants, as documented ---------------------------------------------------------
 def test_alpha_is_the_documented_ratio_of_the_constants():
-    c = _multi
+    c = multi
     assert c.COLLECTIVES_PER_STEP == 3  # all-gather twice, reduce-scatter once
     assert c.COLLECTIVE_HOP_LATENCY_S == pytest.approx(4e-6)  # NCCL's 14 us / 3.5
     assert c.PEAK_BYTE_S == pytest.approx(14.46e-12, rel=1e-3)  # 0.706 * 8192 / 400 TFLOP/s
@@ -60,8 +60,8 @@ def test_alpha_grows_with_log2_of_the_ranks_not_with_the_ranks():
     grows 16 times."""
     assert default_alpha_bytes(16384) / default_alpha_bytes(1024) == pytest.approx(4 / 3, rel=1e-3)
     for m in (2, 64, 4096):
-        assert _multi.collective_latency_s(2 * m) - _multi.collective_latency_s(m) == (
-            pytest.approx(_multi.COLLECTIVE_HOP_LATENCY_S)
+        assert multi.collective_latency_s(2 * m) - multi.collective_latency_s(m) == (
+            pytest.approx(multi.COLLECTIVE_HOP_LATENCY_S)
         )
 
 

@@ -90,7 +90,7 @@ def _cost(layouts, alpha: int) -> int:
 def test_the_exact_reference_splits_within_a_block_class():
     """Two tensors of one block class apart: the class search cannot, the single-tensor
     moves of a small group can; the exact reference proves it optimal."""
-    from raggedfsdp.planner._exact import plan_buffers_exact
+    from raggedfsdp.planner.exact import plan_buffers_exact
 
     specs = [
         TensorSpec(name="a", shape=(56, 2), block_rows=8),
@@ -112,7 +112,7 @@ def test_planner_against_the_exact_reference(seed):
     """Random small groups: the exact optimum never costs more than the planner's split
     (a check of the reference), every tensor lies in one of its buffers, and the planner
     reaches the optimum on at least 95% of the instances the solver proves."""
-    from raggedfsdp.planner._exact import plan_buffers_exact
+    from raggedfsdp.planner.exact import plan_buffers_exact
 
     rng = random.Random(100 + seed)
     proven = hits = 0

@@ -5,7 +5,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.fsdp._fully_shard._fsdp_collectives  # noqa: F401  (fsdp.* ops)
 
-from raggedfsdp.profiling import (
+from raggedfsdp.tools.profiling import (
     CommCounter,
     CommStats,
     CopyCounter,

@@ -9,8 +9,8 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate
 from torch.utils._pytree import tree_map
 
-import raggedfsdp.placement  # noqa: F401  (installs the DTensor handlers)
-from raggedfsdp.simulate import fake_world
+import raggedfsdp.tensor.placement  # noqa: F401  (installs the DTensor handlers)
+from raggedfsdp.tools.simulate import fake_world
 
 OPS = (torch.ops.aten.linalg_vector_norm.default, torch.ops.aten.amax.default)
 

@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from raggedfsdp.train._cli import build_parser, main
+from raggedfsdp.cli.train import build_parser, main
 
 
 def test_help_documents_every_option(capsys):

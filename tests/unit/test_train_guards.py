@@ -26,11 +26,11 @@ import pytest
 from torch import nn
 
 from raggedfsdp import checkpoint
-from raggedfsdp.train import _resources
-from raggedfsdp.train._checks import parse_train_mesh
-from raggedfsdp.train._cli import _launch, build_parser, main
-from raggedfsdp.train._rundir import MetricsLog, latest_step, write_atomic
+from raggedfsdp.cli.train import build_parser, main, torchrun_launch
+from raggedfsdp.train import resources
+from raggedfsdp.train.checks import parse_train_mesh
 from raggedfsdp.train.report import read_metrics
+from raggedfsdp.train.rundir import MetricsLog, latest_step, write_atomic
 
 COMMON = [
     "--model", "llama-tiny", "--nproc", "2", "--batch-size", "4", "--seq-len", "16",
@@ -73,7 +73,7 @@ def test_a_step_that_cannot_fit_in_memory_is_refused_before_any_spawn(tmp_path, 
 
 
 def test_too_many_ranks_for_the_memory_names_nproc(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(_resources, "memory_limit", lambda: (4 * GiB, "a 4 GiB test limit"))
+    monkeypatch.setattr(resources, "memory_limit", lambda: (4 * GiB, "a 4 GiB test limit"))
     _refused(
         ["--nproc", "64", "--batch-size", "64", "--out", str(tmp_path / "out")],
         r"--nproc 64 ranks\) needs about [\d,.]+ GiB .*more than its 4.0 GiB \(a 4 GiB test "
@@ -96,28 +96,28 @@ def test_too_many_ranks_for_the_memory_names_nproc(tmp_path, capsys, monkeypatch
 )
 def test_the_estimate_accepts_the_runs_the_tests_and_the_demo_make(argv):
     args = build_parser().parse_args(argv)
-    estimate = _resources.estimate_step_memory(args, parse_train_mesh(args.mesh, args.nproc))
+    estimate = resources.estimate_step_memory(args, parse_train_mesh(args.mesh, args.nproc))
     assert estimate.machine < 2 * GiB, estimate  # any machine that runs the suite has more
 
 
 def test_the_estimate_grows_with_the_batch_and_names_the_largest_that_fits():
     args = _args("--batch-size", "4")
     mesh = parse_train_mesh(None, 2)
-    small = _resources.estimate_step_memory(args, mesh)
+    small = resources.estimate_step_memory(args, mesh)
     args.batch_size = 4000
-    large = _resources.estimate_step_memory(args, mesh)
+    large = resources.estimate_step_memory(args, mesh)
     # activations and logits are per token: 1000x the rows, 1000x the bytes
     assert large.activations == 1000 * small.activations
     assert large.logits == 1000 * small.logits
     assert large.states == small.states and large.runtime == small.runtime
     assert large.machine == 2 * large.per_rank
     limit = 8 * GiB
-    most = _resources.largest_batch(args, mesh, limit)
+    most = resources.largest_batch(args, mesh, limit)
     assert most % 2 == 0
     args.batch_size = most
-    assert _resources.estimate_step_memory(args, mesh).machine <= limit
+    assert resources.estimate_step_memory(args, mesh).machine <= limit
     args.batch_size = most + 2
-    assert _resources.estimate_step_memory(args, mesh).machine > limit
+    assert resources.estimate_step_memory(args, mesh).machine > limit
 
 
 def test_the_memory_limit_is_the_smaller_of_the_machine_and_its_cgroup(tmp_path):
@@ -125,8 +125,8 @@ def test_the_memory_limit_is_the_smaller_of_the_machine_and_its_cgroup(tmp_path)
     unlimited, capped = tmp_path / "max", tmp_path / "capped"
     unlimited.write_text("max\n")
     capped.write_text(f"{GiB}\n")
-    assert _resources.memory_limit([unlimited, tmp_path / "absent"])[0] == physical
-    limit, where = _resources.memory_limit([unlimited, capped])
+    assert resources.memory_limit([unlimited, tmp_path / "absent"])[0] == physical
+    limit, where = resources.memory_limit([unlimited, capped])
     assert limit == min(GiB, physical)
     assert "cgroup" in where if GiB < physical else "physical" in where
 
@@ -139,7 +139,7 @@ def _torchrun_fails(monkeypatch, exitcode: int, rank: int = 1) -> None:
 
     def run(config):
         failure = ProcessFailure(local_rank=rank, pid=4321, exitcode=exitcode, error_file="")
-        raise ChildFailedError("raggedfsdp.train._loop", {rank: failure})
+        raise ChildFailedError("raggedfsdp.train.loop", {rank: failure})
 
     monkeypatch.setattr(torchrun, "run", run)
     for name in ("RAGGEDFSDP_TRAIN_ARGS", "RAGGEDFSDP_LAUNCHER_PID", "OMP_NUM_THREADS"):
@@ -195,7 +195,7 @@ def test_the_launchers_last_line_says_how_the_rank_ended_and_what_is_saved(
     if saved == "damaged":
         _damage(out / "ckpt" / "step_00000002")
     _torchrun_fails(monkeypatch, exitcode)
-    assert _launch(_args("--out", str(out))) == 1
+    assert torchrun_launch(_args("--out", str(out))) == 1
     err = capsys.readouterr().err
     assert re.search(match, err), err
     if saved == "none":
@@ -444,12 +444,12 @@ def test_the_space_check_counts_this_machines_share_of_a_checkpoint(tmp_path, mo
     mesh = parse_train_mesh(None, 2)
     one = _args("--out", str(tmp_path), "--ckpt-every", "1")
     with pytest.raises(ValueError, match="has 3.0 MiB free"):
-        _resources.check_storage(one, mesh)
+        resources.check_storage(one, mesh)
     # node 0 of 2 writes half of the checkpoint (its 2 of the 4 ranks' shards)
     two = _args("--out", str(tmp_path), "--ckpt-every", "1", "--nnodes", "2")
     two.rdzv_endpoint = "node0:29400"
-    _resources.check_storage(two, parse_train_mesh(None, 4))
+    resources.check_storage(two, parse_train_mesh(None, 4))
     # no checkpoint, no space needed
-    _resources.check_storage(_args("--out", str(tmp_path)), mesh)
+    resources.check_storage(_args("--out", str(tmp_path)), mesh)
     free["bytes"] = 5 << 20
-    _resources.check_storage(one, mesh)
+    resources.check_storage(one, mesh)

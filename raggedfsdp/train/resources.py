@@ -58,7 +58,7 @@ from typing import TYPE_CHECKING
 from raggedfsdp.models import get_config, num_params, param_groups
 
 if TYPE_CHECKING:
-    from raggedfsdp.train._checks import MeshSpec
+    from raggedfsdp.models.mesh import MeshSpec
 
 __all__ = [
     "StepMemory",
@@ -310,7 +310,7 @@ def check_storage(args, mesh: MeshSpec) -> None:
         ValueError: naming ``--out`` (or its checkpoint folder), the error or the bytes
             needed and free, and the fix.
     """
-    from raggedfsdp.train._rundir import CKPT
+    from raggedfsdp.train.rundir import CKPT
 
     out = Path(args.out)
     fix = (

@@ -222,7 +222,7 @@ def _check_model(args, mesh: MeshSpec) -> None:
 
     from raggedfsdp.models import get_config
     from raggedfsdp.models.transformer import Transformer
-    from raggedfsdp.train._policy import check_block_rows
+    from raggedfsdp.train.policy import check_block_rows
 
     if args.backend != "raggedfsdp":
         return
@@ -268,8 +268,8 @@ def check_args(args) -> tuple[int, str]:
     _check_packages(args)
     corpus = _check_data(args)
     _check_model(args, mesh)
-    from raggedfsdp.train._resources import check_memory, check_storage
-    from raggedfsdp.train._rundir import check_out, data_digest
+    from raggedfsdp.train.resources import check_memory, check_storage
+    from raggedfsdp.train.rundir import check_out, data_digest
 
     check_memory(args, mesh, corpus.train.numel() + corpus.val.numel())
     digest = data_digest(corpus)

@@ -52,6 +52,7 @@ __all__ = [
     "MARKER",
     "CorruptCheckpointError",
     "RootLock",
+    "fault_point",
     "check_space",
     "disk_full",
     "checkpoints",
@@ -73,6 +74,18 @@ MARKER = "checkpoint.json"
 FORMAT = "raggedfsdp-checkpoint/1"
 _STEP_RE = re.compile(r"step_(\d+)")
 _CHUNK = 4 << 20  # bytes read at a time when hashing
+
+
+# Called with the name of each step of a save ("tmp_created", "data_written",
+# "marker_written", "committed", "cleanup"); a crash test sets it to kill the process
+# there. None in normal use.
+fault_hook = None
+
+
+def fault_point(name: str) -> None:
+    """A named step of a save: calls ``fault_hook(name)`` when one is set."""
+    if fault_hook is not None:
+        fault_hook(name)
 
 
 class CorruptCheckpointError(ValueError):

@@ -3,7 +3,7 @@
 Arguments are checked here, before any process is spawned (``_checks``: the launch,
 every number's range, the data, the block size against the model, the run folder);
 then the launcher takes the run folder (``_rundir``: [Note: a run owns its folder])
-and starts the ranks, which run ``raggedfsdp.train._loop``. The launcher is
+and starts the ranks, which run ``raggedfsdp.train.loop``. The launcher is
 ``torch.distributed.run`` itself, so ``--nnodes``/``--node-rank``/``--rdzv-endpoint``
 scale the same command to several machines. A failure inside the ranks ends the job
 with their own one-line messages and one line from the launcher (see [Note: how a rank
@@ -22,7 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from raggedfsdp.planner import DEFAULT_MAX_BUFFERS
-from raggedfsdp.train._checks import TRAIN_MODELS, check_args
+from raggedfsdp.train.checks import TRAIN_MODELS, check_args
 
 BACKENDS = ("raggedfsdp", "fsdp2")
 OPTIMIZERS = ("adamw", "flat-adamw", "muon", "adamw8bit", "sgd")
@@ -157,7 +157,7 @@ def main(argv: list[str], launch: Callable[[argparse.Namespace], int] | None = N
     Args:
         argv: the command line after ``train``.
         launch: starts the ranks for the checked arguments and returns 0 when they all
-            succeed. Default: torchrun (``_launch``). The test suite passes one that forks
+            succeed. Default: torchrun (``launch``). The test suite passes one that forks
             them from a process that has imported torch already.
     """
     parser = build_parser()
@@ -166,7 +166,7 @@ def main(argv: list[str], launch: Callable[[argparse.Namespace], int] | None = N
         _, digest = check_args(args)
     except (ValueError, NotImplementedError) as e:
         parser.error(str(e))
-    from raggedfsdp.train._rundir import OutLock, check_out, prepare
+    from raggedfsdp.train.rundir import OutLock, check_out, prepare
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -180,17 +180,17 @@ def main(argv: list[str], launch: Callable[[argparse.Namespace], int] | None = N
             parser.error(str(e))
         prepare(args, digest)
     try:
-        return (launch or _launch)(args)
+        return (launch or torchrun_launch)(args)
     finally:
         lock.release()
 
 
-def _launch(args) -> int:
+def torchrun_launch(args) -> int:
     """Start the ranks through torchrun; 0 when they all succeed, else 1 (and say so)."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
-    from raggedfsdp.train._guard import ARGS_ENV, LAUNCHER_PID
+    from raggedfsdp.train.guard import ARGS_ENV, LAUNCHER_PID
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ[ARGS_ENV] = json.dumps(vars(args))  # checked: the ranks read, never parse
@@ -202,9 +202,9 @@ def _launch(args) -> int:
     else:
         launch += ["--standalone"]
     try:
-        run(parse_args([*launch, "-m", "raggedfsdp.train._loop"]))
+        run(parse_args([*launch, "-m", "raggedfsdp.train.loop"]))
     except ChildFailedError as err:
-        from raggedfsdp.train._rundir import checkpoint_state
+        from raggedfsdp.train.rundir import checkpoint_state
 
         rank, failure = err.get_first_failure()
         print(

@@ -20,7 +20,7 @@ tensor of a DBuffer parameter is a plain view of a flat buffer (no copy), and a
 
 Semantics match veScale's public ``RaggedShard(dims, local_units)``; the DTensor
 machinery that makes it a working placement (redistribute, element-wise ops,
-norms, checkpoints) lives in ``raggedfsdp._dtensor_ext``.
+norms, checkpoints) lives in ``raggedfsdp.tensor._dtensor_ext``.
 """
 
 from __future__ import annotations
@@ -170,7 +170,3 @@ class RaggedShard(Placement):
         start, end = self.local_row_range(full.shape, rank)
         rows = full.reshape(self.num_rows(full.shape), *full.shape[len(self.dims) :])
         return rows[start:end]
-
-
-# A RaggedShard is only usable with its DTensor hooks: importing the module installs them.
-from raggedfsdp import _dtensor_ext  # noqa: E402, F401  (needs RaggedShard defined above)

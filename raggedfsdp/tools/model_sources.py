@@ -1,5 +1,5 @@
 """The model of ``python -m raggedfsdp simulate``: where it comes from, how it is built on
-``meta`` and how it is ``fully_shard``-ed. The simulation itself is ``raggedfsdp.simulate``.
+``meta`` and how it is ``fully_shard``-ed. The simulation itself is ``raggedfsdp.tools.simulate``.
 
 [Note: simulated model sources]
 ``SimConfig.model`` names one of three sources:
@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import types
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
@@ -30,7 +30,6 @@ from raggedfsdp.models.parallelize import parallelize
 
 if TYPE_CHECKING:
     from raggedfsdp.models import TransformerConfig
-    from raggedfsdp.simulate import SimConfig
 
 __all__ = [
     "blocks_of",
@@ -42,6 +41,16 @@ __all__ = [
 ]
 
 HF_PREFIX = "hf:"
+
+
+class ModelRequest(Protocol):
+    """What ``build_model`` reads of a ``raggedfsdp.tools.simulate.SimConfig``."""
+
+    model: str
+    layers: int | None
+    width: int
+    seq: int
+    ac: bool
 
 
 def _is_file(model: str) -> bool:
@@ -209,7 +218,7 @@ def _build_hf(model: str, layers: int | None) -> tuple[nn.Module, str]:
 # ================================================================================================
 # Build and shard
 # ================================================================================================
-def build_model(cfg: SimConfig) -> tuple[nn.Module, str]:
+def build_model(cfg: ModelRequest) -> tuple[nn.Module, str]:
     """The model on ``meta``: routing made balanced, blocks checkpoint-wrapped if ``cfg.ac``.
     See [Note: simulated model sources]."""
     from raggedfsdp.models import Transformer

@@ -42,7 +42,7 @@ propagation) hold no data and are not counted.
   very output tensor of a reduce-scatter seen earlier gets ``within`` set to that
   collective, so it is kept apart from the caller's copies (NCCL makes no such copy).
   Over one rank raggedfsdp issues no collective: the collective's result is its input,
-  copied into its output (``raggedfsdp._collectives``); that copy gets ``within`` set to
+  copied into its output (``raggedfsdp.tensor.collectives``); that copy gets ``within`` set to
   the collective it stands for, as gloo's own copies do.
 """
 
@@ -58,7 +58,7 @@ from torch._C import DispatchKey, DispatchKeySet
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass_type
 from torch.utils._pytree import tree_leaves
 
-from raggedfsdp._collectives import one_rank_collective
+from raggedfsdp.tensor.collectives import one_rank_collective
 
 __all__ = [
     "one_rank_collective",

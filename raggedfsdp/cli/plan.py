@@ -13,7 +13,7 @@ Examples::
 shard)`` mesh (see [Note: HSDP] in ``raggedfsdp/fsdp/_param_group.py``): every buffer
 is laid out over the ``S`` ranks of one shard group, so the padding and the peers'
 padding are those of ``S`` ranks, and each of the ``R`` replicas holds the same
-layout. Bytes are counted per rank per step, as ``raggedfsdp.profiling.CommCounter``
+layout. Bytes are counted per rank per step, as ``raggedfsdp.tools.profiling.CommCounter``
 counts them (an all-gather's output, any other collective's input):
 
     shard_bytes           sum over groups of E_g x the buffer dtype: what a rank holds
@@ -40,11 +40,22 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from raggedfsdp._mesh_arg import parse_hsdp_mesh
-from raggedfsdp.planner._multi import DEFAULT_MAX_BUFFERS, plan_buffers, split_objective
-from raggedfsdp.planner._peers import PeerPadding, fsdp1_padding, fsdp2_padding, zero3_padding
-from raggedfsdp.planner._plan import DEFAULT_ALIGNMENT_BYTES, clear_plan_cache
-from raggedfsdp.planner._spec import WHOLE, TensorSpec, dtype_name_and_itemsize, with_block_rows
+from raggedfsdp.models.mesh import parse_hsdp_mesh
+from raggedfsdp.planner import (
+    DEFAULT_ALIGNMENT_BYTES,
+    DEFAULT_MAX_BUFFERS,
+    WHOLE,
+    PeerPadding,
+    TensorSpec,
+    clear_plan_cache,
+    dtype_name_and_itemsize,
+    fsdp1_padding,
+    fsdp2_padding,
+    plan_buffers,
+    split_objective,
+    with_block_rows,
+    zero3_padding,
+)
 
 _MESH_EXAMPLE = "e.g. --mesh replicate=2,shard=4"
 # Bytes per rank per step, per kind and in total; see [Note: HSDP in the plan].
@@ -106,7 +117,7 @@ def _parser() -> argparse.ArgumentParser:
         "group and reports the padding and bytes at S, plus the bytes each rank "
         "all-reduces over its R replicas per step (the shard gradients of every group; "
         "0 when R = 1). Bytes are per rank per step: an all-gather's output, any other "
-        "collective's input, as raggedfsdp.profiling.CommCounter counts them",
+        "collective's input, as raggedfsdp.tools.profiling.CommCounter counts them",
     )
     p.add_argument(
         "--block-rows",
@@ -234,7 +245,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     buffers = {g.name: plans[g.name].layouts for g in groups}  # --exact improves these
     exact: dict[str, Any] = {}
     if args.exact and max_buffers == 1:
-        from raggedfsdp.planner._exact import plan_exact
+        from raggedfsdp.planner.exact import plan_exact
 
         seen: dict[tuple, tuple] = {}  # shapes -> (layout, proven, its names)
         for g in groups:
@@ -350,7 +361,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if exact:
         report["exact"] = exact
     if args.png:
-        from raggedfsdp.planner._draw import draw_layout
+        from raggedfsdp.cli.draw import draw_layout
 
         gname = args.png_group or max(groups, key=lambda g: g.numel).name
         if gname not in buffers:
@@ -458,7 +469,7 @@ def _exact_splits(groups, specs, plans, buffers, world, max_buffers, args) -> di
     tensors solved over every split (``plan_buffers_exact``); ``buffers`` takes the
     exact split where it is better by the planner's objective (see [Note: multi-buffer
     groups]). Returns the report's ``exact``."""
-    from raggedfsdp.planner._exact import plan_buffers_exact
+    from raggedfsdp.planner.exact import plan_buffers_exact
 
     seen: dict[tuple, tuple] = {}  # shapes -> (layouts, cost, proven, its names)
     out: dict[str, Any] = {}

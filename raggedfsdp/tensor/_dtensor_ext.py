@@ -32,8 +32,9 @@ custom op handlers                     norms, amax, amin safe on empty shards;
 ``_state_dict_utils._distribute_tensors``  broadcast_from_rank0 keeps the rank's rows
 =====================================  ==============================================
 
-The patches are installed once, by ``install()``, when this module is imported (as
-``RaggedShard`` is: ``from raggedfsdp import RaggedShard`` or ``fully_shard``),
+The patches are installed once, by ``install()``, when the package ``raggedfsdp.tensor``
+is imported (as it is by anything that uses a RaggedShard: ``from raggedfsdp import
+RaggedShard`` or ``fully_shard``),
 and only on the torch versions in ``_SUPPORTED_TORCH``; anything else refuses to
 import rather than risk silently wrong results, unless ``RAGGEDFSDP_UNTESTED_TORCH=1``
 asks to try it (with a warning). Torch's
@@ -68,8 +69,8 @@ from torch.distributed.tensor._ops._math_ops import _NormPartial
 from torch.distributed.tensor._sharding_prop import LocalLRUCache
 from torch.utils import _pytree as pytree
 
-from raggedfsdp._collectives import all_gather_single, reduce_scatter_single
-from raggedfsdp.placement import RaggedShard
+from raggedfsdp.tensor.collectives import all_gather_single, reduce_scatter_single
+from raggedfsdp.tensor.placement import RaggedShard
 
 _SUPPORTED_TORCH = ("2.13.",)
 # Set to "1" to import on another torch anyway, with a warning (how the GPU check ran on
@@ -636,7 +637,7 @@ def _ragged_output_sharding(prop, op_schema: OpSchema) -> OutputSharding:
             f"{op} is not supported on a RaggedShard DTensor (argument placements "
             f"{placements}): RaggedShard supports element-wise and foreach ops, norms, sums, "
             "row-wise reductions and views (see [Note: row-wise ops] in "
-            "raggedfsdp._dtensor_ext); redistribute to Replicate() or Shard(0) first"
+            "raggedfsdp.tensor._dtensor_ext); redistribute to Replicate() or Shard(0) first"
         )
     columns = [_column_placements(op, col) for col in _elementwise_columns(op_schema)]
     if out_meta is None:
@@ -1040,19 +1041,12 @@ def _install_propagation() -> None:
     handlers = DTensor._op_dispatcher._custom_op_handlers
     for op in _REDUCTION_HANDLED:
         handlers[op] = _reduction_handler
-    from raggedfsdp import _dtensor_init  # needs this module's names: imported once here
-
-    for op in _dtensor_init.RANDOM_INPLACE:
-        handlers[op] = _dtensor_init.random_handler
-    for op in (aten.any.default, aten.all.default):
-        handlers[op] = _dtensor_init.any_all_handler
-    handlers[aten.select.int] = _dtensor_init.select_handler
 
 
 # ---------------------------------------------------------------------------------------------
 # Distributed checkpoint (DCP)
 # ---------------------------------------------------------------------------------------------
-def _range_to_boxes(start: int, end: int, dims: Sequence[int]) -> list[tuple[tuple, tuple]]:
+def range_to_boxes(start: int, end: int, dims: Sequence[int]) -> list[tuple[tuple, tuple]]:
     """Cut the row-major index range ``[start, end)`` of a ``dims`` box into hyper-rectangles.
 
     Each returned (offsets, sizes) covers a contiguous run of the range, in order; at
@@ -1067,14 +1061,14 @@ def _range_to_boxes(start: int, end: int, dims: Sequence[int]) -> list[tuple[tup
     head, rest = divmod(start, inner)
     if rest:  # a partial first slice of dim 0
         stop = min(end, (head + 1) * inner)
-        for off, size in _range_to_boxes(rest, stop - head * inner, dims[1:]):
+        for off, size in range_to_boxes(rest, stop - head * inner, dims[1:]):
             boxes.append(((head, *off), (1, *size)))
         start = stop
     first_full, last_full = -(-start // inner), end // inner
     if last_full > first_full:
         boxes.append(((first_full,) + (0,) * (len(dims) - 1), (last_full - first_full, *dims[1:])))
     if end % inner and end > max(start, last_full * inner):
-        for off, size in _range_to_boxes(0, end - last_full * inner, dims[1:]):
+        for off, size in range_to_boxes(0, end - last_full * inner, dims[1:]):
             boxes.append(((last_full, *off), (1, *size)))
     return boxes
 
@@ -1086,7 +1080,7 @@ def _local_boxes(t: DTensor) -> list[tuple[torch.Size, torch.Size, torch.Tensor]
     k, rest = len(rs.dims), shape[len(rs.dims) :]
     start, end = rs.local_row_range(shape, piece.coord)
     local, cursor, boxes = t._local_tensor, 0, []
-    for offsets, sizes in _range_to_boxes(start, end, shape[:k]):
+    for offsets, sizes in range_to_boxes(start, end, shape[:k]):
         rows = math.prod(sizes)
         view = local[cursor : cursor + rows].view(*sizes, *rest)
         at = [o + p for o, p in zip((*offsets, *(0,) * len(rest)), piece.offset)]
@@ -1160,13 +1154,7 @@ def install() -> None:
     for module in (dtensor_redistribute, dtensor_dispatch, dtensor_api):
         module.redistribute_local_tensor = _redistribute_local_tensor
     _install_propagation()
-    from raggedfsdp import _dtensor_init
-
-    _dtensor_init.install_state_dict_hooks()
     DTensor.__create_write_items__ = _create_write_items
     DTensor.__create_chunk_list__ = _create_chunk_list
     DTensor.__get_tensor_shard__ = _get_tensor_shard
     _installed = True
-
-
-install()

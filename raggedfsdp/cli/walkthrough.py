@@ -87,7 +87,7 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     if args.worker:
         worker()
-        # no interpreter teardown in a rank: see raggedfsdp/train/_loop.py
+        # no interpreter teardown in a rank: see raggedfsdp/train/loop.py
         sys.stdout.flush()
         os._exit(0)
     from torch.distributed.run import main as torchrun
@@ -98,7 +98,7 @@ def main(argv: list[str]) -> int:
             "--standalone",
             f"--nproc-per-node={WORLD}",
             "-m",
-            "raggedfsdp._walkthrough",
+            "raggedfsdp.cli.walkthrough",
             "--worker",
         ]
     )

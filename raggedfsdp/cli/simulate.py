@@ -1,6 +1,6 @@
 """The command line of ``python -m raggedfsdp simulate``: arguments, the text report, the
 memory timeline plot, and the sweep over world sizes (its rows, table and plot). The
-simulation itself is ``raggedfsdp.simulate``."""
+simulation itself is ``raggedfsdp.tools.simulate``."""
 
 from __future__ import annotations
 
@@ -11,7 +11,14 @@ import sys
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from raggedfsdp.simulate import GROUPINGS, ROLES, SYSTEMS, SimConfig, simulate, time_fully_shard
+from raggedfsdp.tools.simulate import (
+    GROUPINGS,
+    ROLES,
+    SYSTEMS,
+    SimConfig,
+    simulate,
+    time_fully_shard,
+)
 
 __all__ = [
     "cross_check",
@@ -274,11 +281,11 @@ def parse_mesh(text: str, world: int | None) -> tuple[int, int]:
     """``--mesh replicate=R,shard=S`` (checked against ``--world`` if given) as ``(R, S)``.
 
     Raises:
-        ValueError: what ``raggedfsdp._mesh_arg.parse_hsdp_mesh`` raises, or a ``world``
+        ValueError: what ``raggedfsdp.models.mesh.parse_hsdp_mesh`` raises, or a ``world``
             other than ``R * S``.
         NotImplementedError: a dim of a parallelism ``simulate`` does not run (tp, ep, ...).
     """
-    from raggedfsdp._mesh_arg import parse_hsdp_mesh
+    from raggedfsdp.models.mesh import parse_hsdp_mesh
 
     r, s = parse_hsdp_mesh(
         text,
@@ -311,7 +318,7 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m raggedfsdp simulate",
         description="One rank of an N-rank training step on fake tensors: peak memory by "
-        "category, collectives, allocations (see raggedfsdp/simulate.py).",
+        "category, collectives, allocations (see raggedfsdp/tools/simulate.py).",
     )
     p.add_argument(
         "--model",

@@ -53,7 +53,7 @@ _running: list[str] = []  # the one-rank collective whose copy runs now (see bel
 
 def one_rank_collective() -> str | None:
     """The collective being done as a copy over one rank, while its copy runs, else None:
-    how ``raggedfsdp.profiling.CopyCounter`` tells that copy (the collective's own data
+    how ``raggedfsdp.tools.profiling.CopyCounter`` tells that copy (the collective's own data
     movement, as gloo's loopback would make it) from copies around a collective."""
     return _running[-1] if _running else None
 

@@ -30,8 +30,8 @@ import math
 import torch
 import torch.distributed as dist
 
-from raggedfsdp._collectives import all_gather_single, reduce_scatter_single
 from raggedfsdp.planner import BufferLayout
+from raggedfsdp.tensor.collectives import all_gather_single, reduce_scatter_single
 
 __all__ = ["DBuffer", "FlatStorage"]
 

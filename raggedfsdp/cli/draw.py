@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from raggedfsdp.planner._layout import BufferLayout
+from raggedfsdp.planner import BufferLayout
 
 
 def draw_layout(

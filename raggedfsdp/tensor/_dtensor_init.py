@@ -1,6 +1,7 @@
 """What model-init and state-dict code calls on a RaggedShard DTensor (torch 2.13).
 
-Installed by ``raggedfsdp._dtensor_ext.install()`` (see [Note: DTensor patches] there):
+Installed by ``install()``, which ``raggedfsdp.tensor`` calls after
+``_dtensor_ext.install()`` (see [Note: DTensor patches]):
 in-place random ops, ``any`` / ``all`` and ``select`` as DTensor custom op handlers, and
 the two state-dict helpers of torch that need a RaggedShard's rows
 (``compute_local_shape_and_global_offset``, ``_state_dict_utils._distribute_tensors``).
@@ -17,13 +18,19 @@ import torch.distributed.tensor._utils as dtensor_utils
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
-from raggedfsdp._dtensor_ext import _copy_of, _is_ragged, _to_torch, ragged_axis, ragged_piece
-from raggedfsdp.placement import RaggedShard
+from raggedfsdp.tensor._dtensor_ext import (
+    _copy_of,
+    _is_ragged,
+    _to_torch,
+    ragged_axis,
+    ragged_piece,
+)
+from raggedfsdp.tensor.placement import RaggedShard
 
 __all__ = [
     "RANDOM_INPLACE",
     "any_all_handler",
-    "install_state_dict_hooks",
+    "install",
     "random_handler",
     "select_handler",
 ]
@@ -221,8 +228,15 @@ def _distribute_tensors(local_state_dict, keys, device, pg=None):
     return _orig_distribute_tensors(local_state_dict, rest, device, pg)
 
 
-def install_state_dict_hooks() -> None:
-    """Give torch's two helpers their RaggedShard branch (once, from ``install()``)."""
+def install() -> None:
+    """Register the custom op handlers and give torch's two state-dict helpers their
+    RaggedShard branch. Idempotent: the same functions land in the same slots."""
+    handlers = DTensor._op_dispatcher._custom_op_handlers
+    for op in RANDOM_INPLACE:
+        handlers[op] = random_handler
+    for op in (aten.any.default, aten.all.default):
+        handlers[op] = any_all_handler
+    handlers[aten.select.int] = select_handler
     dtensor_utils._raggedfsdp_local_shape_and_offset = _local_shape_and_offset
     _torch_local_shape_and_offset.__code__ = _local_shape_and_offset_trampoline.__code__
     state_dict_utils._distribute_tensors = _distribute_tensors

@@ -2,7 +2,7 @@
 
 Real model shapes at real world sizes, in one process on the CPU: the model (a catalogue
 name, a JSON config file or ``hf:DIR``, a Hugging Face config; see [Note: simulated model
-sources] in ``raggedfsdp/_simulate_model.py``) is built on ``meta`` with K transformer
+sources] in ``raggedfsdp/tools/model_sources.py``) is built on ``meta`` with K transformer
 blocks (embeddings and head included),
 ``fully_shard``-ed as a user would (each block, then the root) by raggedfsdp or by
 torch's FSDP2 over torch's fake process group of ``world`` ranks, materialised with
@@ -22,7 +22,7 @@ their ratio, the padding and the bytes all-gathered per step (``sweep``, ``sweep
 (``R * S`` ranks): all-gather and reduce-scatter within a shard group of S ranks, then
 an all-reduce of the shard gradients over the R replicas (counted as ``all_reduce``).
 
-    from raggedfsdp.simulate import SimConfig, simulate
+    from raggedfsdp.tools.simulate import SimConfig, simulate
     result = simulate(SimConfig(model="llama3-70b", world=1024, system="raggedfsdp"))
     result["peak"]["total"], result["roles"], result["comm"], result["timeline"]
 
@@ -49,7 +49,7 @@ an all-reduce of the shard gradients over the R replicas (counted as ``all_reduc
   MemTracker would count those global tensors as this rank's. The simulation marks
   propagation (``ShardingPropagator._propagate_tensor_meta_non_cached``) and the
   tracker skips what runs inside it.
-- **Collectives** are ``raggedfsdp.profiling.CommCounter``'s (fake tensors counted as
+- **Collectives** are ``raggedfsdp.tools.profiling.CommCounter``'s (fake tensors counted as
   real ones: their bytes are their shapes'), per kind, with each event's bytes and the
   ranks of its process group.
 - **Timeline**: the total after every op of the measured step, and the bytes by role
@@ -79,7 +79,6 @@ import contextlib
 import dataclasses
 import gc
 import math
-import sys
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -88,7 +87,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from raggedfsdp._simulate_model import (
+from raggedfsdp.tools.model_sources import (
     blocks_of,
     build_model,
     buildable_config,
@@ -377,7 +376,7 @@ def _comm_counter(tracker):
     ``ranks``, parallel to ``events``). Enter it inside ``tracker``."""
     from torch._subclasses.fake_tensor import FakeTensor
 
-    from raggedfsdp.profiling import CommCounter
+    from raggedfsdp.tools.profiling import CommCounter
 
     class FakeCommCounter(CommCounter):
         def __init__(self):
@@ -669,20 +668,3 @@ def time_fully_shard(
         "seconds": seconds,
         "gc_objects": objects,
     }
-
-
-# The command line, the report and the plot live in ``raggedfsdp/_simulate_cli.py``, which
-# imports this module; its names (its ``__all__``) load on first use, so the two modules
-# import no circle.
-def __getattr__(name: str):
-    from raggedfsdp import _simulate_cli
-
-    if name in _simulate_cli.__all__:
-        return getattr(_simulate_cli, name)
-    raise AttributeError(f"module 'raggedfsdp.simulate' has no attribute {name!r}")
-
-
-if __name__ == "__main__":
-    from raggedfsdp._simulate_cli import main
-
-    sys.exit(main())

@@ -40,20 +40,20 @@ from torch.distributed.tensor import DTensor
 from raggedfsdp.models import get_config
 from raggedfsdp.models.parallelize import build_mesh, parallelize
 from raggedfsdp.models.transformer import Transformer, lm_loss
-from raggedfsdp.profiling import measure_step
-from raggedfsdp.train._checks import MeshSpec, parse_train_mesh
-from raggedfsdp.train._guard import (
+from raggedfsdp.tools.profiling import measure_step
+from raggedfsdp.train.checks import MeshSpec, parse_train_mesh
+from raggedfsdp.train.data import DataConfig, get_batch, load_corpus
+from raggedfsdp.train.guard import (
     ARGS_ENV,
     TrainError,
     Where,
     collective_failure,
     die_with_launcher,
 )
-from raggedfsdp.train._guard import report as report_error
-from raggedfsdp.train._policy import block_policy
-from raggedfsdp.train._rundir import CKPT, METRICS, MetricsLog, trim_metrics, write_atomic
-from raggedfsdp.train.data import DataConfig, get_batch, load_corpus
+from raggedfsdp.train.guard import report as report_error
+from raggedfsdp.train.policy import block_policy
 from raggedfsdp.train.report import plot_losses
+from raggedfsdp.train.rundir import CKPT, METRICS, MetricsLog, trim_metrics, write_atomic
 
 
 def _shard(model: Transformer, args, spec: MeshSpec, mesh) -> dict[str, tuple]:

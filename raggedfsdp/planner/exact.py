@@ -26,11 +26,11 @@ from collections.abc import Iterable
 from typing import Any
 
 from raggedfsdp.planner._layout import BufferLayout, TensorPlacement
-from raggedfsdp.planner._multi import _alpha, _objective
 from raggedfsdp.planner._plan import DEFAULT_ALIGNMENT_BYTES, _check_world, alignment_elems
 from raggedfsdp.planner._plan import plan_buffer as _plan_buffer
-from raggedfsdp.planner._search import lower_bound_shard_size
 from raggedfsdp.planner._spec import TensorSpec, dtype_name_and_itemsize
+from raggedfsdp.planner.multi import _alpha, _objective
+from raggedfsdp.planner.search import lower_bound_shard_size
 
 _MAX_BINARIES = 20_000
 
