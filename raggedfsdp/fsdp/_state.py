@@ -88,6 +88,40 @@ class TrainingState(enum.Enum):
     POST_BACKWARD = "post_backward"
 
 
+# [Note: training states]
+# ``FSDPState.training_state`` moves only through ``FSDPState._enter(event)``, which
+# checks the state it starts from against this table and raises, naming the group, the
+# event and both states, when hooks run in an order no forward and backward produce.
+#
+#     event          from                                         to
+#     pre_forward    any (*)                                      FORWARD
+#     post_forward   FORWARD                                      IDLE
+#     pre_backward   IDLE, FORWARD (**), POST_BACKWARD (***)       PRE_BACKWARD
+#     post_backward  PRE_BACKWARD                                 POST_BACKWARD
+#     end_backward   any: the root's final callback ends every group's backward
+#     reset          any: reset_iter_state()
+#
+# (*) a forward or backward that raised leaves its state behind; the next forward starts
+#     afresh, as FSDP2's does (``reset_iter_state()`` also drops the collectives in flight).
+# (**) a group of several modules some of which did not run (the chunked loss runs the
+#     head of a ``[norm, head]`` group alone) never ends its forward.
+# (***) a module called twice whose first call's inputs need no gradient reduces after
+#     its last call's backward, then runs backward again (see ``prepare_grads``).
+# A repeated pre_backward (one per output that carries a gradient) is a no-op.
+_ANY = frozenset(TrainingState)
+_MOVES: dict[str, tuple[frozenset[TrainingState], TrainingState]] = {
+    "pre_forward": (_ANY, TrainingState.FORWARD),
+    "post_forward": (frozenset({TrainingState.FORWARD}), TrainingState.IDLE),
+    "pre_backward": (
+        frozenset({TrainingState.IDLE, TrainingState.FORWARD, TrainingState.POST_BACKWARD}),
+        TrainingState.PRE_BACKWARD,
+    ),
+    "post_backward": (frozenset({TrainingState.PRE_BACKWARD}), TrainingState.POST_BACKWARD),
+    "end_backward": (_ANY, TrainingState.IDLE),
+    "reset": (_ANY, TrainingState.IDLE),
+}
+
+
 class FSDPState:
     """The hooks and settings of one ``fully_shard`` call (one module, or a list of modules
     forming one group: the group unshards before the first of them runs forward and
@@ -226,6 +260,20 @@ class FSDPState:
                     )
                 s.is_root, s.root = False, self
 
+    def _enter(self, event: str) -> None:
+        """Move ``training_state`` by ``event``; see [Note: training states]."""
+        starts, to = _MOVES[event]
+        if self.training_state not in starts:
+            allowed = " or ".join(sorted(s.value for s in starts))
+            raise RuntimeError(
+                f"fully_shard module {self.name}: {event} expects the module's state to be "
+                f"{allowed}, but it is {self.training_state.value}; the FSDP hooks ran out "
+                "of order (a forward hook called without its pre-forward hook, or a "
+                "gradient without its backward). After an exception in forward or "
+                "backward, call reset_iter_state() on the root module."
+            )
+        self.training_state = to
+
     def _next_in_order(self, step: int) -> FSDPState | None:
         order = self.root._forward_order
         if self.root._recording or self not in order:
@@ -260,7 +308,7 @@ class FSDPState:
             root._forward_order.append(self)
         elif self.is_root:
             root._recording = False
-        self.training_state = TrainingState.FORWARD
+        self._enter("pre_forward")
         if self.group is not None:
             self.group.release_dropped_grads()
             if self.root.post_optim_event is not None:
@@ -317,7 +365,7 @@ class FSDPState:
         if torch.is_grad_enabled() and self.root is not None:
             self._post_forward_indices.append(len(self.root._post_forward_order))
             self.root._post_forward_order.append(self)
-        self.training_state = TrainingState.IDLE
+        self._enter("post_forward")
 
     def _prefetch_targets(self, forward: bool) -> list[FSDPState]:
         explicit = self.forward_prefetch if forward else self.backward_prefetch
@@ -361,7 +409,7 @@ class FSDPState:
             root._callback_queued = True
             Variable._execution_engine.queue_callback(root._final_callback)
         if self.training_state is not TrainingState.PRE_BACKWARD:
-            self.training_state = TrainingState.PRE_BACKWARD
+            self._enter("pre_backward")
             if self.group is not None:
                 if self.unshard_in_backward:
                     self.group.unshard()
@@ -409,7 +457,7 @@ class FSDPState:
         self._pending_post_backward -= 1
         if self._pending_post_backward == 0 and self.group is not None:
             if self.group.needs_post_backward:
-                self.training_state = TrainingState.POST_BACKWARD
+                self._enter("post_backward")
                 self.root._wait_earlier_reduces(self)
                 self.group.post_backward(reshard=self.reshard_after_backward)
                 self.root._reduce_order.append(self)
@@ -453,7 +501,7 @@ class FSDPState:
                 self._reduce_order.append(s)
             elif s.group is not None and s.reshard_after_backward:
                 s.group.reshard()
-            s.training_state = TrainingState.IDLE
+            s._enter("end_backward")
         pending = [g for s in self._states for g in _buffers(s.group) if g.reduce_pending]
         if pending:
             got_grad, arrived = _local_grad_flags(pending), []
@@ -478,7 +526,7 @@ class FSDPState:
         for s in self._states:
             s._pending_post_backward = 0
             s._forward_pending = set()
-            s.training_state = TrainingState.IDLE
+            s._enter("reset")
             if s.group is not None:
                 s.group.reset_iter_state()
         self._callback_queued = False

@@ -16,6 +16,7 @@ its published fused layout ``gate_up_proj [E, dim, 2 * ffn]`` and
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -261,6 +262,29 @@ def num_params(c: TransformerConfig) -> int:
 # --- the catalogue ------------------------------------------------------------------------
 _LLAMA3_VOCAB = 128256
 
+_DEEPSEEK_V3 = TransformerConfig(
+    name="deepseek-v3",
+    source="deepseek-ai/DeepSeek-V3 config.json",
+    vocab_size=129280,
+    dim=7168,
+    n_layers=61,
+    n_heads=128,
+    n_kv_heads=128,
+    attention="mla",
+    q_lora_rank=1536,
+    kv_lora_rank=512,
+    qk_nope_head_dim=128,
+    qk_rope_head_dim=64,
+    v_head_dim=128,
+    ffn_dim=18432,
+    n_experts=256,
+    moe_ffn_dim=2048,
+    n_shared_experts=1,
+    n_dense_layers=3,
+    notes="without the multi-token-prediction module (the published 671B count)",
+)
+
+
 CATALOGUE: dict[str, TransformerConfig] = {
     c.name: c
     for c in (
@@ -312,27 +336,7 @@ CATALOGUE: dict[str, TransformerConfig] = {
             expert_bias=True,
             fused_gate_up=True,
         ),
-        TransformerConfig(
-            name="deepseek-v3",
-            source="deepseek-ai/DeepSeek-V3 config.json",
-            vocab_size=129280,
-            dim=7168,
-            n_layers=61,
-            n_heads=128,
-            n_kv_heads=128,
-            attention="mla",
-            q_lora_rank=1536,
-            kv_lora_rank=512,
-            qk_nope_head_dim=128,
-            qk_rope_head_dim=64,
-            v_head_dim=128,
-            ffn_dim=18432,
-            n_experts=256,
-            moe_ffn_dim=2048,
-            n_shared_experts=1,
-            n_dense_layers=3,
-            notes="without the multi-token-prediction module (the published 671B count)",
-        ),
+        _DEEPSEEK_V3,
         TransformerConfig(
             name="qwen3-235b-a22b",
             source="Qwen/Qwen3-235B-A22B config.json",
@@ -346,25 +350,12 @@ CATALOGUE: dict[str, TransformerConfig] = {
             n_experts=128,
             moe_ffn_dim=1536,
         ),
-        TransformerConfig(
+        dataclasses.replace(
+            _DEEPSEEK_V3,
             name="moe-2.4t",
             source="this catalogue: DeepSeek-V3's block scaled to 1024 experts",
-            vocab_size=129280,
-            dim=7168,
             n_layers=56,
-            n_heads=128,
-            n_kv_heads=128,
-            attention="mla",
-            q_lora_rank=1536,
-            kv_lora_rank=512,
-            qk_nope_head_dim=128,
-            qk_rope_head_dim=64,
-            v_head_dim=128,
-            ffn_dim=18432,
             n_experts=1024,
-            moe_ffn_dim=2048,
-            n_shared_experts=1,
-            n_dense_layers=3,
             notes=(
                 "in the spirit of the paper's largest (2.4T) MoE: DeepSeek-V3's MLA block "
                 "and 2048-wide experts, 1024 routed experts + 1 shared, 56 blocks (3 dense)"

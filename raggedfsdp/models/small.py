@@ -41,39 +41,17 @@ _LLAMA_TINY = TransformerConfig(
     n_kv_heads=1,
     ffn_dim=260,
 )
-_LLAMA_SMALL = TransformerConfig(
-    name="llama-small",
-    source=_SOURCE,
-    vocab_size=_VOCAB,
-    dim=192,
-    n_layers=4,
-    n_heads=6,
-    n_kv_heads=2,
-    ffn_dim=516,
+# The small ones: twice the width, twice the depth.
+_LLAMA_SMALL = dataclasses.replace(
+    _LLAMA_TINY, name="llama-small", dim=192, n_layers=4, n_heads=6, n_kv_heads=2, ffn_dim=516
 )
-_MOE_TINY = TransformerConfig(
-    name="moe-tiny",
-    source=_SOURCE,
-    vocab_size=_VOCAB,
-    dim=96,
-    n_layers=2,
-    n_heads=3,
-    n_kv_heads=1,
-    ffn_dim=260,
-    n_experts=6,
-    moe_ffn_dim=44,
-    top_k=2,
-    n_dense_layers=1,
+# The MoE ones: their LLaMA's attention and dense first block, then routed experts.
+_MOE_TINY = dataclasses.replace(
+    _LLAMA_TINY, name="moe-tiny", n_experts=6, moe_ffn_dim=44, top_k=2, n_dense_layers=1
 )
-_MOE_SMALL = TransformerConfig(
+_MOE_SMALL = dataclasses.replace(
+    _LLAMA_SMALL,
     name="moe-small",
-    source=_SOURCE,
-    vocab_size=_VOCAB,
-    dim=192,
-    n_layers=4,
-    n_heads=6,
-    n_kv_heads=2,
-    ffn_dim=516,
     n_experts=6,
     moe_ffn_dim=88,
     top_k=2,
