@@ -46,6 +46,7 @@ import re
 import shutil
 import socket
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 __all__ = [
@@ -53,6 +54,7 @@ __all__ = [
     "CorruptCheckpointError",
     "RootLock",
     "fault_point",
+    "flock_directory",
     "check_space",
     "disk_full",
     "checkpoints",
@@ -271,6 +273,28 @@ def remove(path: Path, hook=None) -> None:
 
 
 # ---- one writer per root ------------------------------------------------------------------
+def flock_directory(path: Path, unsupported: Callable[[str], None]) -> int | None:
+    """An exclusive, non-blocking ``flock`` on the directory ``path`` itself (so no lock
+    file is left behind): the file descriptor that holds it until closed.
+
+    A filesystem without ``flock`` on directories (some network filesystems): calls
+    ``unsupported(reason)`` and returns None (the caller goes on unlocked).
+
+    Raises:
+        BlockingIOError: another live process holds the lock.
+    """
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as err:
+        os.close(fd)
+        if err.errno in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+            raise BlockingIOError(err.errno, f"'{path}' is locked by another process") from None
+        unsupported(err.strerror or str(err))
+        return None
+    return fd
+
+
 class RootLock:
     """An exclusive ``flock`` on the root directory while a save writes, commits, cleans up.
 
@@ -289,26 +313,23 @@ class RootLock:
         self._fd: int | None = None
 
     def __enter__(self) -> RootLock:
-        fd = os.open(self.root, os.O_RDONLY)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as err:
-            os.close(fd)
-            if err.errno in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
-                raise ValueError(
-                    f"save: another live process is saving into '{self.root}'; give each job "
-                    "its own checkpoint directory (or wait for that one to end)"
-                ) from None
-            if not RootLock._warned:
-                RootLock._warned = True
-                warnings.warn(
-                    f"save: '{self.root}' cannot be locked ({err.strerror}); two jobs saving "
-                    "into it at once would not be detected",
-                    stacklevel=3,
-                )
-            return self
-        self._fd = fd
+            self._fd = flock_directory(self.root, self._unlocked)
+        except BlockingIOError:
+            raise ValueError(
+                f"save: another live process is saving into '{self.root}'; give each job "
+                "its own checkpoint directory (or wait for that one to end)"
+            ) from None
         return self
+
+    def _unlocked(self, reason: str) -> None:
+        if not RootLock._warned:
+            RootLock._warned = True
+            warnings.warn(
+                f"save: '{self.root}' cannot be locked ({reason}); two jobs saving "
+                "into it at once would not be detected",
+                stacklevel=4,
+            )
 
     def __exit__(self, *exc) -> None:
         if self._fd is not None:

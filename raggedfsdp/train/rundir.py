@@ -50,8 +50,6 @@ and ``MetricsLog`` (rank 0).
 from __future__ import annotations
 
 import contextlib
-import errno
-import fcntl
 import hashlib
 import json
 import os
@@ -62,6 +60,8 @@ import sys
 import time
 import uuid
 from pathlib import Path
+
+from raggedfsdp.checkpoint.files import flock_directory
 
 __all__ = [
     "CKPT",
@@ -323,25 +323,22 @@ class OutLock:
         self._fd: int | None = None
 
     def acquire(self) -> None:
-        fd = os.open(self.out, os.O_RDONLY)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as err:
-            os.close(fd)
-            if err.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
-                print(
-                    f"train: warning: '{self.out}' cannot be locked ({err.strerror}): a second "
-                    "job writing it at the same time would not be detected",
-                    file=sys.stderr,
-                )
-                return
+            self._fd = flock_directory(self.out, self._unlocked)
+        except BlockingIOError:
             job = ((_read_run(self.out) or {}).get("jobs") or [{}])[-1]
             raise ValueError(
                 f"train: another live job is writing --out '{self.out}' (pid {job.get('pid')} "
                 f"on {job.get('host')}, started {job.get('started')}); wait for it to end, or "
                 "pass another --out"
             ) from None
-        self._fd = fd
+
+    def _unlocked(self, reason: str) -> None:
+        print(
+            f"train: warning: '{self.out}' cannot be locked ({reason}): a second "
+            "job writing it at the same time would not be detected",
+            file=sys.stderr,
+        )
 
     def release(self) -> None:
         if self._fd is not None:
