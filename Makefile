@@ -1,17 +1,20 @@
 # Every target builds the environment first; it is a no-op when .venv is up to date (the
 # stamp is newer than pyproject.toml). The library needs torch, numpy and safetensors; the
 # `train` extra adds what the application, the tests and the benchmarks use (SciPy,
-# matplotlib, tqdm).
+# matplotlib, tqdm, tokenizers), `hf` transformers (Hugging Face models), `dev` the test
+# and lint tools (pytest, hypothesis, ruff, mypy); pytorch-optimizer (no dependencies) is
+# Shampoo's published cross-check.
 PY := .venv/bin/python
 VENV_STAMP := .venv/.installed
 
-.PHONY: demo test check test-numerics test-clients lint venv clean bench bench-peers
+.PHONY: demo test check test-numerics test-clients lint venv clean bench bench-peers gpu-check
 
 $(VENV_STAMP): pyproject.toml
 	python3 -m venv .venv
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "torch==2.13.0"
-	$(PY) -m pip install --quiet -e ".[train,dev]"
+	$(PY) -m pip install --quiet -e ".[train,dev,hf]"
+	$(PY) -m pip install --quiet --no-deps "pytorch-optimizer==4.1.0"  # Shampoo's cross-check
 	touch $(VENV_STAMP)
 
 venv: $(VENV_STAMP)
@@ -22,6 +25,7 @@ demo: $(VENV_STAMP)
 lint: $(VENV_STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
+	$(PY) -m mypy
 
 # tests/clients (torchtitan, transformers, accelerate, torchao) take minutes each:
 # `make test-clients` runs them. `make check` is lint and test.
@@ -54,6 +58,13 @@ $(CLIENTS_STAMP): $(VENV_STAMP) pyproject.toml
 
 test-clients: $(CLIENTS_STAMP)
 	$(PY) -m pytest -q tests/clients
+
+# The accelerator check (tests/gpu): train on the accelerator with its native backend and every
+# visible device, parity with FSDP2, copies, streams and overlap, max_memory_reserved against
+# FSDP2's; writes benchmarks/results/gpu.md. Without an accelerator every test skips;
+# `make gpu-check DEVICE=cpu` is the dry run (the same tests on gloo ranks, nothing written).
+gpu-check: $(VENV_STAMP)
+	$(PY) -m pytest -q -rs tests/gpu $(if $(DEVICE),--device $(DEVICE))
 
 # Benchmarks (benchmarks/run_all.py): planner, step, optim, and peers when .venv-peers exists.
 bench: $(VENV_STAMP)

@@ -31,6 +31,7 @@ One spawn of ``world`` gloo ranks (1 thread each) measures, on the same model an
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import statistics
 import sys
@@ -42,11 +43,11 @@ import torch
 import torch.distributed as dist
 from _common import (  # beside this script, so on sys.path
     ANALYSIS,
+    Setup,
     header,
-    max_over_ranks,
+    optimizer_steps,
     ragged_padding,
     run_ranks,
-    shard,
     state_tensors,
     train_and_validate,
     versions,
@@ -95,53 +96,41 @@ def _state_bytes(state: dict) -> tuple[int, bool]:
     return nbytes, any(x.element_size() == 1 for x in tensors)
 
 
-def _build(system: str, model_name: str, mesh):
-    import raggedfsdp
-    from raggedfsdp.models import Transformer, get_config
-    from raggedfsdp.optim import AdamW8bit, adamw8bit_block_policy
+def _setup(label: str, path: str, system: str = "raggedfsdp", policy=None, **extra) -> Setup:
+    """A setup stepped by the Adam class at ``path`` (imported in the rank, where a missing
+    peer fails alone) with this section's hyper-parameters and ``extra``."""
 
-    model = Transformer(get_config(model_name), max_seq_len=SEQ, seed=0)
-    if system.startswith("raggedfsdp"):
-        policy = adamw8bit_block_policy() if "8bit" in system else None
-        shard(model, mesh, "raggedfsdp", block_policy=policy)
-    else:
-        shard(model, mesh, "fsdp2")
-    params = model.parameters()
-    if system == "raggedfsdp + AdamW8bit":
-        opt = AdamW8bit(params, lr=LR, betas=BETAS, weight_decay=WD)
-    elif system == "raggedfsdp + AdamW (fp32, flat)":
-        opt = raggedfsdp.optim.AdamW(params, lr=LR, betas=BETAS, weight_decay=WD)
-    elif system == "FSDP2 + torch AdamW (fp32)":
-        opt = torch.optim.AdamW(params, lr=LR, betas=BETAS, weight_decay=WD, foreach=True)
-    elif system == "FSDP2 + torchao AdamW8bit":
-        from torchao.optim import AdamW8bit as TorchaoAdamW8bit
+    def optimizers(model) -> list:
+        module, name = path.rsplit(".", 1)
+        cls = getattr(importlib.import_module(module), name)
+        return [cls(model.parameters(), lr=LR, betas=BETAS, weight_decay=WD, **extra)]
 
-        opt = TorchaoAdamW8bit(params, lr=LR, betas=BETAS, weight_decay=WD)
-    elif system == "FSDP2 + bitsandbytes Adam8bit":
-        import bitsandbytes as bnb
-
-        opt = bnb.optim.Adam8bit(params, lr=LR, betas=BETAS, weight_decay=WD)
-    else:
-        raise AssertionError(system)
-    return model, opt
+    return Setup(label=label, optimizers=optimizers, system=system, block_policy=policy)
 
 
-def _measure(system, cfg, mesh, rank, world, data) -> dict:
-    from raggedfsdp.models import lm_loss
-    from raggedfsdp.train import get_batch
+def _quantization_blocks(model, world: int):
+    from raggedfsdp.optim import adamw8bit_block_policy
 
-    model, opt = _build(system, cfg["adamw8bit_model"], mesh)
-    rows = dict(batch_size=BATCH, seq_len=SEQ, rank=rank, world_size=world)
-    times = []
-    for step in range(cfg["adamw8bit_steps"] + 1):
-        x, y = get_batch(data, seed=0, step=step, **rows)
-        lm_loss(model(x), y).backward()
-        dist.barrier()
-        t0 = time.perf_counter()
-        opt.step()
-        elapsed = time.perf_counter() - t0
-        times.append(max_over_ranks(elapsed))
-        opt.zero_grad()
+    return adamw8bit_block_policy()
+
+
+OURS = "raggedfsdp + AdamW8bit", "raggedfsdp + AdamW (fp32, flat)"
+SETUPS = {  # measured in this order
+    "adamw8bit": _setup(OURS[0], "raggedfsdp.optim.AdamW8bit", policy=_quantization_blocks),
+    "adamw": _setup(OURS[1], "raggedfsdp.optim.AdamW"),
+    "torch_adamw": _setup("FSDP2 + torch AdamW (fp32)", "torch.optim.AdamW", "fsdp2", foreach=True),
+    "torchao_adamw8bit": _setup("FSDP2 + torchao AdamW8bit", "torchao.optim.AdamW8bit", "fsdp2"),
+    "bnb_adam8bit": _setup("FSDP2 + bitsandbytes Adam8bit", "bitsandbytes.optim.Adam8bit", "fsdp2"),
+}
+CONVERGENCE = {"adamw": "AdamW (fp32)", "adamw8bit": "AdamW8bit"}  # setup: its table label
+
+
+def _measure(key: str, cfg, mesh, data) -> dict:
+    setup = SETUPS[key]
+    model, opts = setup.build(cfg["adamw8bit_model"], mesh, max_seq_len=SEQ)
+    (opt,) = opts
+    steps = cfg["adamw8bit_steps"] + 1
+    times, _ = optimizer_steps(model, opts, data, steps, batch_size=BATCH, seq_len=SEQ)
     totals = torch.zeros(2, dtype=torch.float64)  # state bytes: all, tensors >= 4096
     fp32_big = []  # tensors >= 4096 elements whose states on this rank are not 8-bit
     for name, p in model.named_parameters():
@@ -151,11 +140,11 @@ def _measure(system, cfg, mesh, rank, world, data) -> dict:
         if big and not is_8bit:
             fp32_big.append(name)
     dist.all_reduce(totals)
-    gathered = [None] * world
+    gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, fp32_big)
     numel = sum(p.numel() for p in model.parameters())
     big_numel = sum(p.numel() for p in model.parameters() if p.numel() >= 4096)
-    padding = sum(ragged_padding(model).values()) if system.startswith("raggedfsdp") else None
+    padding = sum(ragged_padding(model).values()) if setup.system == "raggedfsdp" else None
     return {
         "first_step_s": times[0],
         "step_ms": 1e3 * statistics.median(times[1:]),
@@ -167,15 +156,6 @@ def _measure(system, cfg, mesh, rank, world, data) -> dict:
     }
 
 
-SYSTEMS = (
-    "raggedfsdp + AdamW8bit",
-    "raggedfsdp + AdamW (fp32, flat)",
-    "FSDP2 + torch AdamW (fp32)",
-    "FSDP2 + torchao AdamW8bit",
-    "FSDP2 + bitsandbytes Adam8bit",
-)
-
-
 def _rank_main(rank: int, world: int, save, cfg: dict) -> None:
     from torch.distributed.tensor import init_device_mesh
 
@@ -184,25 +164,23 @@ def _rank_main(rank: int, world: int, save, cfg: dict) -> None:
     mesh = init_device_mesh("cpu", (world,))
     corpus = load_corpus()
     results: dict = {"systems": {}, "convergence": {}}
-    for system in SYSTEMS:
-        if "torchao" in system and cfg["adamw8bit_no_torchao"]:
-            results["systems"][system] = {"error": "skipped (--adamw8bit-no-torchao)"}
+    for key in SETUPS:
+        if key == "torchao_adamw8bit" and cfg["adamw8bit_no_torchao"]:
+            results["systems"][key] = {"error": "skipped (--adamw8bit-no-torchao)"}
             continue
         try:
-            results["systems"][system] = _measure(system, cfg, mesh, rank, world, corpus.train)
+            results["systems"][key] = _measure(key, cfg, mesh, corpus.train)
         except Exception as e:  # a peer that fails here fails on every rank alike
             line = next((s for s in str(e).splitlines() if s.strip()), "")
-            results["systems"][system] = {"error": f"{type(e).__name__}: {line}"}
+            results["systems"][key] = {"error": f"{type(e).__name__}: {line}"}
             if rank == 0:
                 traceback.print_exc(limit=2)
         dist.barrier()
-    for optimizer in ("AdamW (fp32, flat)", "AdamW8bit"):
-        model, opt = _build(f"raggedfsdp + {optimizer}", cfg["adamw8bit_conv_model"], mesh)
+    for key in CONVERGENCE:
+        model, opts = SETUPS[key].build(cfg["adamw8bit_conv_model"], mesh, max_seq_len=SEQ)
         steps = cfg["adamw8bit_conv_steps"]
         rows = dict(batch_size=BATCH, seq_len=SEQ)
-        results["convergence"][optimizer] = train_and_validate(
-            model, [opt], corpus, steps=steps, **rows
-        )
+        results["convergence"][key] = train_and_validate(model, opts, corpus, steps=steps, **rows)
     results["corpus"] = f"{corpus.source} ({corpus.train.numel():,} training bytes)"
     save(results)
     dist.barrier()
@@ -215,7 +193,7 @@ TITLE = "## 8-bit AdamW (`raggedfsdp.optim.AdamW8bit`)"
 def _format(cfg: dict, res: dict, wall_s: float, command: str) -> str:
     """The section's tables (what they mean is written in the page's analysis)."""
     world, systems = cfg["adamw8bit_world"], res["systems"]
-    base = systems.get("raggedfsdp + AdamW (fp32, flat)", {}).get("step_ms")
+    base = systems.get("adamw", {}).get("step_ms")
     lines = [
         TITLE,
         "",
@@ -236,7 +214,8 @@ def _format(cfg: dict, res: dict, wall_s: float, command: str) -> str:
         "elements with fp32 states, per rank | padding, elements (% of params) |",
         "| --- | ---: | ---: | ---: | ---: | ---: | --- | ---: |",
     ]
-    for name, r in systems.items():
+    for key, r in systems.items():
+        name = SETUPS[key].label
         if "error" in r:
             lines.append(f"| {name} | {r['error']} | | | | | | |")
             continue
@@ -249,7 +228,7 @@ def _format(cfg: dict, res: dict, wall_s: float, command: str) -> str:
             f"{r['step_ms']:.2f} | {ratio} | {r['first_step_s']:.2f} | {fp32} | {pad} |"
         )
     conv = res["convergence"]
-    fp32 = conv["AdamW (fp32, flat)"]
+    fp32 = conv["adamw"]
     lines += [
         "",
         f"Convergence: `{cfg['adamw8bit_conv_model']}`, {cfg['adamw8bit_conv_steps']} steps on "
@@ -261,7 +240,7 @@ def _format(cfg: dict, res: dict, wall_s: float, command: str) -> str:
         "| validation loss (8 batches) | vs fp32 AdamW |",
         "| --- | ---: | ---: | ---: | ---: | ---: |",
     ]
-    for name, key in (("AdamW (fp32)", "AdamW (fp32, flat)"), ("AdamW8bit", "AdamW8bit")):
+    for key, name in CONVERGENCE.items():
         r = conv[key]
         rel, rel_val = (100 * (r[k] - fp32[k]) / fp32[k] for k in ("final", "val"))
         lines.append(

@@ -10,6 +10,9 @@ when a script runs). Two parts:
 - **Harness**: ``shard`` (each transformer block, then the root, by raggedfsdp or by
   torch's FSDP2), ``run_ranks`` (gloo ranks in one spawn), the padding each system adds,
   optimizer state bytes, and a training run with a validation loss.
+- **Optimizer comparisons**: ``Setup`` (one system of a comparison, kept in a dict by an
+  identifier; its label is what the tables print) and ``optimizer_steps`` (the optimizer
+  step alone, timed between barriers).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -165,21 +169,29 @@ def shard(model, mesh, system: str = "raggedfsdp", **kwargs) -> None:
     parallelize(model, mesh, fully_shard=fully_shard, **kwargs)
 
 
-def ragged_padding(model) -> dict[str, int]:
-    """``{group: padding elements}`` of raggedfsdp's buffers in ``model``.
+def ragged_groups(model) -> dict[str, list]:
+    """``{group: its buffers}`` of raggedfsdp in ``model``, each buffer once.
 
     A group is named by the module ``fully_shard`` was applied to (``"root"`` for
-    ``model`` itself); its padding sums its buffers'.
+    ``model`` itself).
     """
     from raggedfsdp.fsdp import buffer_of
 
-    groups: dict[str, dict[int, int]] = {}
+    groups: dict[str, dict[int, Any]] = {}
     for fqn, param in model.named_parameters():
         if (found := buffer_of(param)) is not None:
             buf, piece = found
             name = fqn[: len(fqn) - len(piece.fqn)].rstrip(".") or "root"
-            groups.setdefault(name, {})[id(buf)] = buf.layout.padding
-    return {name: sum(pads.values()) for name, pads in groups.items()}
+            groups.setdefault(name, {})[id(buf)] = buf
+    return {name: list(bufs.values()) for name, bufs in groups.items()}
+
+
+def ragged_padding(model) -> dict[str, int]:
+    """``{group: padding elements}`` of raggedfsdp's buffers in ``model`` (``ragged_groups``;
+    a group's padding sums its buffers')."""
+    return {
+        name: sum(buf.layout.padding for buf in bufs) for name, bufs in ragged_groups(model).items()
+    }
 
 
 def fsdp2_params(model) -> dict[str, list]:
@@ -201,14 +213,6 @@ def persistent_storages(model, system: str) -> list:
         return [t for buf in buffers_of(model) for t in buf.storages()]
     return [
         t for params in fsdp2_params(model).values() for p in params for t in p.all_gather_outputs
-    ]
-
-
-def paired_ratios(a: list[float], b: list[float], block: int) -> list[float]:
-    """Median of ``a`` over median of ``b`` in each round of ``block`` steps (ABBA blocks)."""
-    return [
-        statistics.median(a[i : i + block]) / statistics.median(b[i : i + block])
-        for i in range(0, min(len(a), len(b)), block)
     ]
 
 
@@ -302,6 +306,112 @@ def train_and_validate(model, opts, corpus, *, steps: int, batch_size: int, seq_
         "val": statistics.mean(val),
         "seconds": seconds,
     }
+
+
+# ================================================================================================
+# Optimizer comparisons
+# ================================================================================================
+@dataclass(frozen=True, kw_only=True)
+class Setup:
+    """One system of an optimizer comparison: how the model is sharded, what steps it.
+
+    A script keeps its setups in a dict keyed by an identifier (``SETUPS["adamw8bit"]``);
+    jobs and results name a setup by its key, and only the tables print its label.
+
+    Args:
+        label: the name the tables print.
+        optimizers: ``optimizers(model)`` -> the optimizers, in the order they step.
+        system: ``"raggedfsdp"`` or ``"fsdp2"`` (see ``shard``). Default raggedfsdp.
+        block_policy: ``block_policy(model, world)`` -> raggedfsdp's block policy
+            (raggedfsdp only). Default None: ``fully_shard``'s default.
+    """
+
+    label: str
+    optimizers: Callable[[Any], list]
+    system: str = "raggedfsdp"
+    block_policy: Callable[[Any, int], Any] | None = None
+
+    def __post_init__(self):
+        if self.system not in ("raggedfsdp", "fsdp2"):
+            raise ValueError(
+                f"Setup {self.label!r}: system must be 'raggedfsdp' or 'fsdp2', got {self.system!r}"
+            )
+        if self.block_policy is not None and self.system != "raggedfsdp":
+            raise ValueError(
+                f"Setup {self.label!r}: a block_policy is raggedfsdp's; drop it for {self.system}"
+            )
+
+    def build(self, model_name: str, mesh, max_seq_len: int) -> tuple[Any, list]:
+        """The catalogue model ``model_name`` (seed 0), sharded over the 1-D ``mesh`` as
+        this setup shards it, and its optimizers."""
+        from raggedfsdp.models import Transformer, get_config
+
+        model = Transformer(get_config(model_name), max_seq_len=max_seq_len, seed=0)
+        if self.system == "raggedfsdp":
+            policy = self.block_policy and self.block_policy(model, mesh.size(0))
+            shard(model, mesh, "raggedfsdp", block_policy=policy)
+        else:
+            shard(model, mesh, "fsdp2")
+        return model, self.optimizers(model)
+
+
+def optimizer_steps(
+    model,
+    opts: list,
+    data,
+    steps: int,
+    *,
+    batch_size: int,
+    seq_len: int,
+    around: Callable[[int], Any] | None = None,
+    after: Callable[[int], None] | None = None,
+) -> tuple[list[float], list[float]]:
+    """Train ``steps`` steps, timing the optimizer step alone.
+
+    Each step: this rank's rows of global batch ``step`` (``get_batch``, seed 0), forward
+    and backward untimed, a barrier, then ``step()`` of every optimizer timed, then
+    ``zero_grad()``.
+
+    Args:
+        model: the sharded model.
+        opts: its optimizers.
+        data: the training bytes (1-D token tensor).
+        steps: how many steps.
+        batch_size: global batch (rows, split over the ranks).
+        seq_len: tokens per row.
+        around: ``around(step)`` -> a context manager around the optimizer steps (a
+            counter); default none.
+        after: ``after(step)`` runs after the optimizer steps, before ``zero_grad()``.
+
+    Returns:
+        ``(wall, cpu)`` per step: the slowest rank's wall seconds and this rank's process
+        CPU seconds (gloo's threads included).
+    """
+    import contextlib
+
+    import torch.distributed as dist
+
+    from raggedfsdp.models import lm_loss
+    from raggedfsdp.train import get_batch
+
+    rows = dict(batch_size=batch_size, seq_len=seq_len)
+    rows.update(rank=dist.get_rank(), world_size=dist.get_world_size())
+    wall, cpu = [], []
+    for step in range(steps):
+        x, y = get_batch(data, seed=0, step=step, **rows)
+        lm_loss(model(x), y).backward()
+        dist.barrier()
+        t0, c0 = time.perf_counter(), time.process_time()
+        with around(step) if around else contextlib.nullcontext():
+            for opt in opts:
+                opt.step()
+        cpu.append(time.process_time() - c0)
+        wall.append(max_over_ranks(time.perf_counter() - t0))
+        if after:
+            after(step)
+        for opt in opts:
+            opt.zero_grad()
+    return wall, cpu
 
 
 def _rank_entry(rank: int, world: int, fn, init_file: str, out_file: str, args: tuple) -> None:

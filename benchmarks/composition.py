@@ -47,32 +47,18 @@ Writes ``benchmarks/results/composition.md`` (or ``--out``).
 from __future__ import annotations
 
 import argparse
-import contextlib
-import math
 import os
-import statistics
-import sys
-import time
-from pathlib import Path
 
+import _ab  # beside this script, so on sys.path
 import torch
 import torch.distributed as dist
-from _common import (  # beside this script, so on sys.path
-    ANALYSIS,
-    RESULTS,
-    gather_objects,
-    header,
-    paired_ratios,
-    persistent_storages,
-    run_ranks,
-    write_results,
-)
+from _ab import SYSTEMS, StepRun, loss_diff_row, ratio_cell
+from _common import ANALYSIS, header
 from torch.distributed.distributed_c10d import _resolve_process_group
 
-from raggedfsdp.tools.profiling import CommCounter, peak_memory
-from raggedfsdp.train.report import mib, ratio
+from raggedfsdp.tools.profiling import CommCounter
+from raggedfsdp.train.report import mib
 
-SYSTEMS = ("raggedfsdp", "fsdp2")
 MESHES = ("fsdp", "hsdp", "fsdp_tp", "fsdp_ep")
 MESH_LABELS = {
     "fsdp": "FSDP (shard 4)",
@@ -225,58 +211,20 @@ def mesh_dims(mesh, kind: str) -> dict[frozenset[int], str]:
 
 
 # ---- one system on one mesh -----------------------------------------------------------------
-class Run:
-    """One model sharded by one system on one mesh, trained step by step on the shared data."""
+class Run(StepRun):
+    """One model sharded by one system on one mesh, with torch's AdamW."""
 
     def __init__(self, system: str, model_name: str, kind: str, mesh, args, rank, world, data):
-        self.system, self.kind, self.mesh, self.args, self.data = system, kind, mesh, args, data
-        self.model = build(system, model_name, kind, mesh, args)
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=args.lr, weight_decay=0.1)
-        self.coord = data_coordinate(kind, mesh, rank, world)
-        self.world = world
-        self.step_index = 0
-        self.losses: list[float] = []
-        self.times: list[float] = []  # wall seconds per timed step (barrier to barrier)
-        self.cpu: list[float] = []  # CPU seconds of this rank per timed step
-
-    def step(self, timed: bool = False, around=contextlib.nullcontext) -> None:
-        """One training step; ``around()`` (a counter or tracker) wraps its compute only."""
-        from raggedfsdp.models import lm_loss
-        from raggedfsdp.train import get_batch
-
-        index, count = self.coord
-        x, y = get_batch(
-            self.data, seed=self.args.seed, step=self.step_index, batch_size=self.args.batch,
-            seq_len=self.args.seq, rank=index, world_size=count,
-        )  # fmt: skip
-        dist.barrier()
-        t0, c0 = time.perf_counter(), time.process_time()
-        with around():
-            loss = lm_loss(self.model(x), y)
-            loss.backward()
-            self.opt.step()
-            self.opt.zero_grad()
-        cpu = time.process_time() - c0
-        dist.barrier()
-        seconds = time.perf_counter() - t0
-        if timed:
-            self.times.append(seconds)
-            self.cpu.append(cpu)
-        loss = loss.detach()
-        dist.all_reduce(loss)  # the tp ranks of one dp coordinate hold the same loss
-        self.losses.append(loss.item() / self.world)  # the mean over all ranks
-        self.step_index += 1
-
-    def persistent_storages(self) -> list[torch.Tensor]:
-        return persistent_storages(self.model, self.system)
+        self.kind, self.mesh = kind, mesh
+        model = build(system, model_name, kind, mesh, args)
+        opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
+        coord = data_coordinate(kind, mesh, rank, world)
+        super().__init__(system, model, opt, data, args, coord=coord, world=world)
 
     def count_step(self) -> dict:
         comms = DimCommCounter(mesh_dims(self.mesh, self.kind))
         self.step(around=lambda: comms)
         return comms.by_dim()
-
-    def memory_step(self) -> dict:
-        return peak_memory(self.step, self.model, self.opt, *self.persistent_storages())
 
 
 def _rank_main(rank: int, world: int, save, args) -> None:
@@ -292,27 +240,13 @@ def _rank_main(rank: int, world: int, save, args) -> None:
             if rank == 0:
                 print(f"{model_name} on {kind}", flush=True)
             runs = {s: Run(s, model_name, kind, mesh, args, rank, world, data) for s in SYSTEMS}
-            for _ in range(args.warmup):
-                for s in SYSTEMS:
-                    runs[s].step()
-            for r in range(math.ceil(args.steps / args.block)):
-                for s in SYSTEMS if r % 2 == 0 else SYSTEMS[::-1]:
-                    for _ in range(args.block):
-                        runs[s].step(timed=True)
+            _ab.alternate(runs, warmup=args.warmup, steps=args.steps, block=args.block)
             comms = {s: runs[s].count_step() for s in SYSTEMS}
             memory = {s: runs[s].memory_step() for s in SYSTEMS}
-            peaks = gather_objects({s: memory[s]["Total"] for s in SYSTEMS})
-            cpus = gather_objects({s: runs[s].cpu for s in SYSTEMS})
-            a, b = (runs[s].losses for s in SYSTEMS)
             results.setdefault(model_name, {})[kind] = {
                 "params": sum(p.numel() for p in runs["fsdp2"].model.parameters()),
-                "losses": {s: runs[s].losses for s in SYSTEMS},
-                "max_loss_diff": max(abs(x - y) for x, y in zip(a, b)),
-                "times": {s: runs[s].times for s in SYSTEMS},
-                "cpu": {s: [sum(c) for c in zip(*(p[s] for p in cpus))] for s in SYSTEMS},
+                **_ab.timing_results(runs, memory),
                 "comm": comms,
-                "memory_rank0": memory,
-                "peak_per_rank": {s: [p[s] for p in peaks] for s in SYSTEMS},
             }
             del runs
             save(results)  # what finished survives a later crash
@@ -320,7 +254,7 @@ def _rank_main(rank: int, world: int, save, args) -> None:
 
 # ---- report ----------------------------------------------------------------------------------
 def _r(a: float, b: float, digits: int = 3) -> str:
-    return f"{ratio(a, b):.{digits}f}" if b else "-"  # "-": FSDP2 has none
+    return ratio_cell(a, b, digits) if b else "-"  # "-": FSDP2 has none
 
 
 def _size(nbytes: int) -> str:
@@ -337,26 +271,9 @@ def _dims(r: dict) -> list[str]:
     return sorted({d for s in SYSTEMS for d in r["comm"][s]})
 
 
-def _paired_ratios(r: dict, block: int) -> list[float]:
-    """raggedfsdp / FSDP2 median step time of each round (the two adjacent blocks)."""
-    return paired_ratios(r["times"]["raggedfsdp"], r["times"]["fsdp2"], block)
-
-
 def _summary_rows(r: dict, args) -> list[tuple[str, str, str, str]]:
     """(metric, raggedfsdp, FSDP2, ratio raggedfsdp / FSDP2), formatted."""
-    ta, tb = (statistics.median(r["times"][s]) * 1e3 for s in SYSTEMS)
-    paired = _paired_ratios(r, args.block)
-    ua, ub = (statistics.median(r["cpu"][s]) * 1e3 for s in SYSTEMS)
-    rows = [
-        ("step time, median (ms)", f"{ta:.1f}", f"{tb:.1f}", _r(ta, tb)),
-        (
-            f"step time ratio per round, median (min-max) of {len(paired)}",
-            "",
-            "",
-            f"{statistics.median(paired):.3f} ({min(paired):.3f}-{max(paired):.3f})",
-        ),
-        ("CPU time per step, all ranks, median (ms)", f"{ua:.1f}", f"{ub:.1f}", _r(ua, ub)),
-    ]
+    rows = _ab.time_rows(r, args.block)
     for dim in _dims(r):
         kinds = sorted({k for s in SYSTEMS for k in r["comm"][s].get(dim, {})})
         for kind in kinds:
@@ -372,22 +289,13 @@ def _summary_rows(r: dict, args) -> list[tuple[str, str, str, str]]:
         rows.append((f"`{dim}`: all collectives (MiB)", mib(a), mib(b), _r(a, b, 4)))
     pa, pb = (max(r["peak_per_rank"][s]) for s in SYSTEMS)
     rows.append(("peak memory, max over ranks (MiB)", mib(pa), mib(pb), _r(pa, pb)))
-    steps = len(r["losses"]["raggedfsdp"])
-    rows.append(
-        (f"max abs loss difference over {steps} steps", "", "", f"{r['max_loss_diff']:.3g}")
-    )
+    rows.append(loss_diff_row(r))
     return rows
 
 
 def _raw_numbers(name: str, kind: str, r: dict) -> list[str]:
     lines = [f"### {name}, {MESH_LABELS[kind]} ({r['params']:,} parameters)", ""]
-    for s in SYSTEMS:
-        t = r["times"][s]
-        lines.append(f"- {s} step times (ms, in order): " + ", ".join(f"{x * 1e3:.1f}" for x in t))
-        lines.append(
-            f"- {s} CPU time per step, all ranks (ms, in order): "
-            + ", ".join(f"{x * 1e3:.1f}" for x in r["cpu"][s])
-        )
+    lines += _ab.time_lines(r)
     lines += ["", "Collectives per step, rank 0 (count, input bytes, output bytes):", ""]
     lines += ["| mesh dim | kind | raggedfsdp | FSDP2 |", "|---|---|---|---|"]
     for dim in _dims(r):
@@ -397,19 +305,7 @@ def _raw_numbers(name: str, kind: str, r: dict) -> list[str]:
                 for s in SYSTEMS
             ]
             lines.append(f"| {dim} | {k} | {cells[0]} | {cells[1]} |")
-    lines += ["", "Peak memory (MemTracker, bytes):", ""]
-    lines += ["| | raggedfsdp | FSDP2 |", "|---|---:|---:|"]
-    for rk in range(len(r["peak_per_rank"]["raggedfsdp"])):
-        a, b = (r["peak_per_rank"][s][rk] for s in SYSTEMS)
-        lines.append(f"| rank {rk}, peak | {a:,} | {b:,} |")
-    keys = list(dict.fromkeys([*r["memory_rank0"]["raggedfsdp"], *r["memory_rank0"]["fsdp2"]]))
-    for key in keys:
-        a, b = (r["memory_rank0"][s].get(key, 0) for s in SYSTEMS)
-        lines.append(f"| rank 0 at its peak: {key} | {a:,} | {b:,} |")
-    lines += ["", "Losses per step:", ""]
-    for s in SYSTEMS:
-        lines.append(f"- {s}: " + ", ".join(f"{x:.6f}" for x in r["losses"][s]))
-    return [*lines, ""]
+    return [*lines, *_ab.memory_lines(r), *_ab.loss_lines(r), ""]
 
 
 def report(results: dict, args, command: str, seconds: float, load: list) -> str:
@@ -466,17 +362,8 @@ def report(results: dict, args, command: str, seconds: float, load: list) -> str
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--world", type=int, default=4, help="gloo ranks (default 4)")
-    parser.add_argument("--models", nargs="+", default=["llama-small", "moe-small"])
+    _ab.add_arguments(parser, steps=10, block=2, per="mesh", page="composition.md")
     parser.add_argument("--meshes", nargs="+", choices=MESHES, default=list(MESHES))
-    parser.add_argument("--steps", type=int, default=10, help="timed steps per system and mesh")
-    parser.add_argument("--block", type=int, default=2, help="steps per system before switching")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed steps per system first")
-    parser.add_argument("--batch", type=int, default=8, help="global batch (rows)")
-    parser.add_argument("--seq", type=int, default=64, help="tokens per row")
-    parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, default=RESULTS / "composition.md")
     args = parser.parse_args(argv)
     if args.world % 2 or args.batch % args.world:
         parser.error(f"--world must be even and divide --batch, got {args.world}, {args.batch}")
@@ -491,13 +378,7 @@ def main(argv=None) -> None:
                 f"have query / key-value heads that tp {tp} does not divide; drop fsdp_tp from "
                 "--meshes or choose other --models"
             )
-    command = " ".join([".venv/bin/python", "benchmarks/composition.py", *sys.argv[1:]])
-    print(command, flush=True)
-    t0, load = time.perf_counter(), [os.getloadavg()[0]]
-    results = run_ranks(_rank_main, args.world, args)
-    load.append(os.getloadavg()[0])
-    write_results(args.out, report(results, args, command, time.perf_counter() - t0, load))
-    print(args.out.read_text())
+    _ab.run_page("composition.py", _rank_main, args, report)
 
 
 if __name__ == "__main__":

@@ -62,11 +62,11 @@ from _common import (
     ANALYSIS,
     RESULTS,
     ROOT,
+    Setup,
     gather_objects,
     header,
-    max_over_ranks,
+    optimizer_steps,
     run_ranks,
-    shard,
     state_tensors,
     train_and_validate,
     write_results,
@@ -75,42 +75,78 @@ from _common import (
 BATCH, SEQ = 8, 32  # Muon step cells: the optimizer is what is timed
 MUON = dict(lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True)
 ADAMW = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
-OURS = ("raggedfsdp Muon", "raggedfsdp Muon + whole-matrix policy", "baseline: replicated NS")
-TORCH, MUON_FSDP2 = "FSDP2 + torch.optim.Muon", "FSDP2 + muon-fsdp2"
+OURS = ("muon", "muon_whole", "muon_replicated")  # keys of SETUPS; the peers':
+TORCH, MUON_FSDP2 = "torch_muon", "muon_fsdp2"
 CELLS = (("llama-small", 2), ("llama-small", 4), ("moe-small", 4))
 CONV_BATCH, CONV_SEQ = 16, 64
 
 
 # ---- inside a rank -----------------------------------------------------------------------------
-def _build(system: str, model_name: str, mesh):
-    """The model sharded as ``system`` shards it, and its optimizers."""
-    import torch
-
+def _ours_adamw(model) -> list:
     import raggedfsdp
-    from raggedfsdp.models import Transformer, get_config
-    from raggedfsdp.optim import Muon, muon_block_policy, muon_param_groups
+
+    return [raggedfsdp.optim.AdamW(model.parameters(), **ADAMW)]
+
+
+def _ours_muon(distributed: str):
+    """``optimizers(model)``: raggedfsdp's Muon (AdamW for the rest), ``distributed`` mode."""
+
+    def optimizers(model) -> list:
+        from raggedfsdp.optim import Muon, muon_param_groups
+
+        return [Muon(muon_param_groups(model, **ADAMW), **MUON, distributed=distributed)]
+
+    return optimizers
+
+
+def _whole_matrices(model, world: int):
+    from raggedfsdp.optim import muon_block_policy
+
+    return muon_block_policy(model, world)
+
+
+def _split_muon(model) -> tuple[list, list]:
+    """(the parameters Muon steps, the rest), as ``default_use_muon`` splits them."""
     from raggedfsdp.optim.muon import default_use_muon
 
-    model = Transformer(get_config(model_name), max_seq_len=max(SEQ, CONV_SEQ), seed=0)
-    if system in OURS or system.startswith("raggedfsdp"):
-        policy = muon_block_policy(model, mesh.size(0)) if "whole" in system else None
-        shard(model, mesh, "raggedfsdp", block_policy=policy)
-    else:
-        shard(model, mesh, "fsdp2")
-    if system == "raggedfsdp AdamW":
-        return model, [raggedfsdp.optim.AdamW(model.parameters(), **ADAMW)]
-    if system in OURS or system.startswith("raggedfsdp"):
-        mode = "replicated" if system.startswith("baseline") else "root"
-        return model, [Muon(muon_param_groups(model, **ADAMW), **MUON, distributed=mode)]
     mu = [p for n, p in model.named_parameters() if default_use_muon(n, p)]
-    other = [p for n, p in model.named_parameters() if not default_use_muon(n, p)]
-    if system == TORCH:
-        return model, [torch.optim.Muon(mu, **MUON), torch.optim.AdamW(other, **ADAMW)]
+    return mu, [p for n, p in model.named_parameters() if not default_use_muon(n, p)]
+
+
+def _torch_muon(model) -> list:
+    import torch
+
+    mu, other = _split_muon(model)
+    return [torch.optim.Muon(mu, **MUON), torch.optim.AdamW(other, **ADAMW)]
+
+
+def _muon_fsdp2(model) -> list:
     import muon_fsdp2
 
+    mu, other = _split_muon(model)
     muon = dict(params=mu, use_muon=True, rms_scale=False, ns_steps=5, **MUON)
     adamw = dict(params=other, use_muon=False, **ADAMW)
-    return model, [muon_fsdp2.Muon([muon, adamw])]
+    return [muon_fsdp2.Muon([muon, adamw])]
+
+
+SETUPS = {  # jobs and results name a setup by its key; the tables print its label
+    "muon": Setup(label="raggedfsdp Muon", optimizers=_ours_muon("root")),
+    "muon_whole": Setup(
+        label="raggedfsdp Muon + whole-matrix policy",
+        optimizers=_ours_muon("root"),
+        block_policy=_whole_matrices,
+    ),
+    "muon_replicated": Setup(label="baseline: replicated NS", optimizers=_ours_muon("replicated")),
+    "torch_muon": Setup(label="FSDP2 + torch.optim.Muon", optimizers=_torch_muon, system="fsdp2"),
+    "muon_fsdp2": Setup(label="FSDP2 + muon-fsdp2", optimizers=_muon_fsdp2, system="fsdp2"),
+    "adamw": Setup(label="raggedfsdp AdamW", optimizers=_ours_adamw),
+}
+
+
+def _build(system: str, model_name: str, mesh):
+    """The model sharded as setup ``system`` (a key of ``SETUPS``) shards it, and its
+    optimizers."""
+    return SETUPS[system].build(model_name, mesh, max_seq_len=max(SEQ, CONV_SEQ))
 
 
 def _state_bytes(opts) -> int:
@@ -170,49 +206,39 @@ def _measure(system: str, job: dict, mesh, rank: int, world: int, data) -> dict:
     import torch
     import torch.distributed as dist
 
-    from raggedfsdp.models.transformer import lm_loss
     from raggedfsdp.tools.profiling import CommCounter
-    from raggedfsdp.train.data import get_batch
 
     model, opts = _build(system, job["model"], mesh)
-    times, cpus, ours = [], [], []  # cpus: this rank's process CPU time (gloo threads too)
-    comm: dict = {}
-    sent = 0.0
-    for step in range(job["steps"] + 2):  # step 0 untimed (compiles, plans); the last counted
-        x, y = get_batch(
-            data, seed=0, step=step, batch_size=BATCH, seq_len=SEQ, rank=rank, world_size=world
-        )
-        lm_loss(model(x), y).backward()
-        dist.barrier()
-        counting = step == job["steps"] + 1
-        if counting and system == MUON_FSDP2:
+    counting = job["steps"] + 1  # step 0 untimed (compiles, plans); the last counted
+    counters, ours = [], []
+
+    def count(step: int):
+        if step != counting:
+            return contextlib.nullcontext()
+        if system == MUON_FSDP2:
             import muon_fsdp2
 
-            counter = _PieceCounter(muon_fsdp2, rank)
-        elif counting:
-            counter = CommCounter()
+            counters.append(_PieceCounter(muon_fsdp2, rank))
         else:
-            counter = contextlib.nullcontext()
-        t0, c0 = time.perf_counter(), time.process_time()
-        with counter:
-            for opt in opts:
-                opt.step()
-        cpu = time.process_time() - c0
-        elapsed = max_over_ranks(time.perf_counter() - t0)
-        if counting and isinstance(counter, _PieceCounter):
-            comm, sent = dict(counter.calls), float(counter.sent)
-        elif counting:
-            summary = counter.summary()
-            comm = {k: v.count for k, v in summary.items()}
-            sent = _sent_bytes(summary, world)
-        else:
-            times.append(elapsed)
-            cpus.append(cpu)
-        if hasattr(opts[0], "last_step") and not counting and step > 0:
+            counters.append(CommCounter())
+        return counters[-1]
+
+    def read_own_counts(step: int) -> None:
+        if hasattr(opts[0], "last_step") and 0 < step < counting:
             s = opts[0].last_step
             ours.append((s.ns_cpu_seconds, s.ns_seconds, s.wait_seconds, s.bytes_sent))
-        for opt in opts:
-            opt.zero_grad()
+
+    times, cpus = optimizer_steps(  # cpus: this rank's process CPU time (gloo threads too)
+        model, opts, data, counting + 1, batch_size=BATCH, seq_len=SEQ,
+        around=count, after=read_own_counts,
+    )  # fmt: skip
+    times, cpus, (counter,) = times[:-1], cpus[:-1], counters
+    if isinstance(counter, _PieceCounter):
+        comm, sent = dict(counter.calls), float(counter.sent)
+    else:
+        summary = counter.summary()
+        comm = {k: v.count for k, v in summary.items()}
+        sent = _sent_bytes(summary, world)
     totals = torch.tensor([_state_bytes(opts), sent, *cpus[1:]], dtype=torch.float64)
     dist.all_reduce(totals)
     out = {
@@ -325,9 +351,10 @@ def _muon_section(cells: dict, steps: int) -> list[str]:
             "matrices |",
             "| --- | ---: | ---: | ---: | --- | ---: | ---: | --- | ---: |",
         ]
-        for system, r in res.items():
-            if system.startswith("_"):
+        for key, r in res.items():
+            if key.startswith("_"):
                 continue
+            system = SETUPS[key].label
             if "error" in r:
                 lines.append(f"| {system} | failed: {r['error']} | | | | | | | |")
                 continue
@@ -432,7 +459,7 @@ def _catalogue_section(worlds, budgets) -> list[str]:
 
 
 def _convergence_section(res: dict, model: str, steps: int, world: int) -> list[str]:
-    adamw, muon = res["raggedfsdp AdamW"], res["raggedfsdp Muon"]
+    adamw, muon = res["adamw"], res["muon"]
     return [
         "## 3. Convergence: Muon vs AdamW",
         "",
@@ -570,7 +597,7 @@ def main() -> None:
             model=args.conv_model,
             world=args.conv_world,
             steps=conv_steps,
-            systems=["raggedfsdp AdamW", "raggedfsdp Muon"],
+            systems=["adamw", "muon"],
         )
         res = _run_job(job, args.timeout)
         sections += _convergence_section(res, args.conv_model, conv_steps, args.conv_world)

@@ -42,7 +42,6 @@ from raggedfsdp.planner import (
     plan_exact,
     plan_groups,
     split_objective,
-    with_block_rows,
     zero3_padding,
 )
 
@@ -56,17 +55,7 @@ GOAL_WORLDS = (8, 4096)  # goal (3): no more padding with multi-buffer, at these
 
 
 def model_groups(name: str, block_rows: int):
-    return [
-        (
-            g.name,
-            g.kind,
-            [
-                with_block_rows(TensorSpec(name=p.fqn, shape=p.shape, stack=p.stack), block_rows)
-                for p in g.params
-            ],
-        )
-        for g in param_groups(get_config(name))
-    ]
+    return [(g.name, g.kind, g.specs(block_rows)) for g in param_groups(get_config(name))]
 
 
 def measure(groups, m: int, gaps: bool) -> dict:
@@ -401,26 +390,21 @@ def pct(x: float) -> str:
 
 def summary_table(rows: list[dict], times: list[dict]) -> list[str]:
     """Per model and block size: the worst padding against the bound, and the plan time."""
-    seconds = {(t["model"], t["block_rows"]): t["seconds"] for t in times}
     lines = [
         "| model | block rows | worst padding above the bound, pp (world) | worst padding "
         "where the bound is under 2%, % (world) | plan time at "
         f"{TIMED_WORLD:,} ranks, s (best of {TIMED_RUNS} cold, 1 buffer) |",
         "|---|---:|---:|---:|---:|",
     ]
-    for name in REAL_MODELS:
-        for k in BLOCKS:
-            sel = [r for r in rows if r["model"] == name and r["block_rows"] == k]
-            acc = [r for r in sel if r["world"] <= 4096]
-            worst = max(acc, key=lambda r: r["pad"] - r["bound"])
-            low = [r for r in acc if r["bound"] < 0.02]
-            worst_low = max(low, key=lambda r: r["pad"]) if low else None
-            low_cell = f"{pct(worst_low['pad'])} ({worst_low['world']})" if worst_low else "-"
-            time_cell = f"{seconds[name, k]:.3f}" if (name, k) in seconds else "-"
-            lines.append(
-                f"| {name} | {k} | {100 * (worst['pad'] - worst['bound']):.3f} "
-                f"({worst['world']}) | {low_cell} | {time_cell} |"
-            )
+    for name, k, acc, time_cell in _per_model_and_block(rows, times, "seconds"):
+        worst = max(acc, key=lambda r: r["pad"] - r["bound"])
+        low = [r for r in acc if r["bound"] < 0.02]
+        worst_low = max(low, key=lambda r: r["pad"]) if low else None
+        low_cell = f"{pct(worst_low['pad'])} ({worst_low['world']})" if worst_low else "-"
+        lines.append(
+            f"| {name} | {k} | {100 * (worst['pad'] - worst['bound']):.3f} "
+            f"({worst['world']}) | {low_cell} | {time_cell} |"
+        )
     return lines
 
 
@@ -428,11 +412,22 @@ def in_goal_worlds(r: dict) -> bool:
     return GOAL_WORLDS[0] <= r["world"] <= GOAL_WORLDS[1]
 
 
+def _per_model_and_block(rows: list[dict], times: list[dict], time_key: str):
+    """Each catalogue model and block size: ``(model, block rows, its rows at the goal
+    worlds, its plan time ``times[...][time_key]`` as a cell)``."""
+    seconds = {(t["model"], t["block_rows"]): t[time_key] for t in times}
+    for name in REAL_MODELS:
+        for k in BLOCKS:
+            acc = [
+                r for r in rows if r["model"] == name and r["block_rows"] == k and in_goal_worlds(r)
+            ]
+            yield name, k, acc, f"{seconds[name, k]:.3f}" if (name, k) in seconds else "-"
+
+
 def multi_summary_table(rows: list[dict], times: list[dict]) -> list[str]:
     """Per model and block size, world 8-4096: the worst padding of each formulation (the
     split at its worst single-buffer world), where splitting helped, its buffers, its
     distance to its own bound, and the plan time with ``max_buffers=4``."""
-    seconds = {(t["model"], t["block_rows"]): t["mb4"] for t in times}
     lines = [
         "| model | block rows | worst padding, 1 buffer, % (world) | same world, <= 2 / <= 4 "
         "buffers, % | worst padding, <= 4 buffers, % (world) | worlds where <= 4 buffers "
@@ -440,21 +435,17 @@ def multi_summary_table(rows: list[dict], times: list[dict]) -> list[str]:
         f"| plan time at {TIMED_WORLD:,} ranks, <= 4 buffers, s (best of {TIMED_RUNS} cold) |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for name in REAL_MODELS:
-        for k in BLOCKS:
-            sel = [r for r in rows if r["model"] == name and r["block_rows"] == k]
-            acc = [r for r in sel if in_goal_worlds(r)]
-            w1 = max(acc, key=lambda r: r["pad"])
-            w4 = max(acc, key=lambda r: r["mb4_pad"])
-            helped = sum(r["mb4_pad_elems"] < r["pad_elems"] for r in acc)
-            most = max(r["mb4_most"] for r in acc)
-            gap = max(r["mb4_pad"] - r["mb4_bound"] for r in acc)
-            time_cell = f"{seconds[name, k]:.3f}" if (name, k) in seconds else "-"
-            lines.append(
-                f"| {name} | {k} | {pct(w1['pad'])} ({w1['world']}) | {pct(w1['mb2_pad'])} / "
-                f"{pct(w1['mb4_pad'])} | {pct(w4['mb4_pad'])} ({w4['world']}) | {helped} of "
-                f"{len(acc)} | {most} | {100 * gap:.3f} | {time_cell} |"
-            )
+    for name, k, acc, time_cell in _per_model_and_block(rows, times, "mb4"):
+        w1 = max(acc, key=lambda r: r["pad"])
+        w4 = max(acc, key=lambda r: r["mb4_pad"])
+        helped = sum(r["mb4_pad_elems"] < r["pad_elems"] for r in acc)
+        most = max(r["mb4_most"] for r in acc)
+        gap = max(r["mb4_pad"] - r["mb4_bound"] for r in acc)
+        lines.append(
+            f"| {name} | {k} | {pct(w1['pad'])} ({w1['world']}) | {pct(w1['mb2_pad'])} / "
+            f"{pct(w1['mb4_pad'])} | {pct(w4['mb4_pad'])} ({w4['world']}) | {helped} of "
+            f"{len(acc)} | {most} | {100 * gap:.3f} | {time_cell} |"
+        )
     return lines
 
 
@@ -548,24 +539,44 @@ def goals_table(g: dict) -> list[str]:
     ]
 
 
-def ilp_table(ilp: dict) -> list[str]:
+def one_row_table(columns: list[str], cells: list) -> list[str]:
+    """A Markdown table of one row, its columns right-aligned."""
     return [
-        "| instances (m <= 8, <= 8 tensors) | seed | proven optimal by HiGHS | planner found "
-        "the optimum | worst excess, alignment units per rank | seconds |",
-        "|---:|---:|---:|---:|---:|---:|",
-        f"| {ilp['n']} | {ilp['seed']} | {ilp['proven']} | {ilp['hits']} | "
-        f"{ilp['worst_units']} | {ilp['seconds']:.0f} |",
+        f"| {' | '.join(columns)} |",
+        "|" + "---:|" * len(columns),
+        f"| {' | '.join(map(str, cells))} |",
     ]
+
+
+def ilp_table(ilp: dict) -> list[str]:
+    return one_row_table(
+        [
+            "instances (m <= 8, <= 8 tensors)",
+            "seed",
+            "proven optimal by HiGHS",
+            "planner found the optimum",
+            "worst excess, alignment units per rank",
+            "seconds",
+        ],
+        [ilp[k] for k in ("n", "seed", "proven", "hits", "worst_units")]
+        + [f"{ilp['seconds']:.0f}"],
+    )
 
 
 def ilp_multi_table(r: dict) -> list[str]:
-    return [
-        "| instances (m <= 8, 2-5 tensors, <= 2-3 buffers) | seed | proven optimal | planner "
-        "at the optimum | of them, where the optimum splits | worst excess, bytes | seconds |",
-        "|---:|---:|---:|---:|---:|---:|---:|",
-        f"| {r['n']} | {r['seed']} | {r['proven']} | {r['hits']} | {r['split_hits']} of "
-        f"{r['split']} | {r['worst_bytes']} | {r['seconds']:.0f} |",
-    ]
+    return one_row_table(
+        [
+            "instances (m <= 8, 2-5 tensors, <= 2-3 buffers)",
+            "seed",
+            "proven optimal",
+            "planner at the optimum",
+            "of them, where the optimum splits",
+            "worst excess, bytes",
+            "seconds",
+        ],
+        [r[k] for k in ("n", "seed", "proven", "hits")]
+        + [f"{r['split_hits']} of {r['split']}", r["worst_bytes"], f"{r['seconds']:.0f}"],
+    )
 
 
 def fine_table(fine: list[tuple[int, float, float, float]]) -> list[str]:

@@ -122,24 +122,33 @@ def table(done: dict, args) -> list[str]:
         + " |",
         "|---|---:|---:|---:|---:|---:|" + "---:|" * len(ROLES),
     ]
+    points = [(world, None, str(world)) for world in args.worlds]
+    for model, layers, where, a, b in _both_ran(done, args, points, lines):
+        pa, pb = a["peak"]["total"], b["peak"]["total"]
+        cells = [f"{gib(a['roles'][r])} / {gib(b['roles'][r])}" for r in ROLES]
+        lines.append(
+            f"| {model} | {layers} | {where} | {gib(pa)} | {gib(pb)} | {pa / pb:.3f} | "
+            + " | ".join(cells)
+            + " |"
+        )
+    return lines
+
+
+def _both_ran(done: dict, args, points, lines: list[str]):
+    """``(model, K, where, raggedfsdp's, FSDP2's)`` for each model, K and point ``(world,
+    replicate, where)`` that both systems ran; a pair that failed adds a row saying so to
+    ``lines``, one not run yet is left out."""
     for model in args.models:
         for layers in args.layers:
-            for world in args.worlds:
-                a, b = (_get(done, model, world, layers, s) for s in SYSTEMS)
+            for world, replicate, where in points:
+                a, b = (_get(done, model, world, layers, s, replicate) for s in SYSTEMS)
                 if a is None or b is None:
                     continue
                 if "error" in a or "error" in b:
                     err = a.get("error") or b.get("error")
-                    lines.append(f"| {model} | {layers} | {world} | failed: {err} |")
+                    lines.append(f"| {model} | {layers} | {where} | failed: {err} |")
                     continue
-                pa, pb = a["peak"]["total"], b["peak"]["total"]
-                cells = [f"{gib(a['roles'][r])} / {gib(b['roles'][r])}" for r in ROLES]
-                lines.append(
-                    f"| {model} | {layers} | {world} | {gib(pa)} | {gib(pb)} | {pa / pb:.3f} | "
-                    + " | ".join(cells)
-                    + " |"
-                )
-    return lines
+                yield model, layers, where, a, b
 
 
 def per_block(done: dict, args) -> list[str]:
@@ -253,29 +262,19 @@ def hsdp_tables(done: dict, args, meshes) -> list[str]:
         "step (s) |",
         "|---|---:|---|---|---:|---:|---:|---:|---|---:|",
     ]
-    for model in args.models:
-        for layers in args.layers:
-            for rep, shard in meshes:
-                world, mesh = rep * shard, f"{rep} x {shard}"
-                a, b = (_get(done, model, world, layers, s, rep) for s in SYSTEMS)
-                if a is None or b is None:
-                    continue
-                if "error" in a or "error" in b:
-                    err = a.get("error") or b.get("error")
-                    peaks.append(f"| {model} | {layers} | {mesh} | {world} | failed: {err} |")
-                    continue
-                pa, pb = a["peak"]["total"], b["peak"]["total"]
-                fmt = b["fsdp_mem_tracker"]
-                tracked = gib(fmt["peak"]["total"]) if "peak" in fmt else f"failed: {fmt['error']}"
-                cells = [f"{gib(a['roles'][r])} / {gib(b['roles'][r])}" for r in ROLES]
-                peaks.append(
-                    f"| {model} | {layers} | {mesh} | {world} | {gib(pa)} | {gib(pb)} | "
-                    f"{pa / pb:.3f} | {tracked} | {_pct(cross_check(b))} | "
-                    + " | ".join(cells)
-                    + " |"
-                )
-                for s, r in zip(SYSTEMS, (a, b)):
-                    comms.append(f"| {model} | {layers} | {mesh} | {s} | " + _comm_cells(r) + " |")
+    points = [(rep * shard, rep, f"{rep} x {shard} | {rep * shard}") for rep, shard in meshes]
+    for model, layers, where, a, b in _both_ran(done, args, points, peaks):
+        pa, pb = a["peak"]["total"], b["peak"]["total"]
+        fmt = b["fsdp_mem_tracker"]
+        tracked = gib(fmt["peak"]["total"]) if "peak" in fmt else f"failed: {fmt['error']}"
+        cells = [f"{gib(a['roles'][r])} / {gib(b['roles'][r])}" for r in ROLES]
+        peaks.append(
+            f"| {model} | {layers} | {where} | {gib(pa)} | {gib(pb)} | "
+            f"{pa / pb:.3f} | {tracked} | {_pct(cross_check(b))} | " + " | ".join(cells) + " |"
+        )
+        mesh = where.partition(" | ")[0]
+        for s, r in zip(SYSTEMS, (a, b)):
+            comms.append(f"| {model} | {layers} | {mesh} | {s} | " + _comm_cells(r) + " |")
     return [
         "GiB per rank (rank 0). R / F: raggedfsdp / FSDP2, bytes by role at each system's own "
         "peak (MemTracker). FSDPMemTracker: torch's FSDP2 tracker on one more step of the "

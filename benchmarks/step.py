@@ -32,36 +32,26 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import math
 import os
-import statistics
-import sys
-import time
-from pathlib import Path
 
+import _ab  # beside this script, so on sys.path
 import torch
-import torch.distributed as dist
-from _common import (  # beside this script, so on sys.path
+from _ab import SYSTEMS, StepRun, loss_diff_row, ratio_cell
+from _common import (
     ANALYSIS,
-    RESULTS,
     fsdp2_padding,
     fsdp2_params,
-    gather_objects,
     header,
-    paired_ratios,
-    persistent_storages,
+    ragged_groups,
     ragged_padding,
-    run_ranks,
     shard,
-    write_results,
 )
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass_type
 
 from raggedfsdp.fsdp import buffers_of
-from raggedfsdp.tools.profiling import CommCounter, CopyCounter, buffer_storages, peak_memory
-from raggedfsdp.train.report import mib, ratio
+from raggedfsdp.tools.profiling import CommCounter, CopyCounter, buffer_storages
+from raggedfsdp.train.report import mib
 
-SYSTEMS = ("raggedfsdp", "fsdp2")
 RS_OP = "c10d._reduce_scatter_base_.default"  # gloo copies into this op's output on wait
 
 
@@ -80,59 +70,24 @@ def _shard_kwargs(system: str, args) -> dict:
     return kwargs
 
 
-class Run:
-    """One model sharded by one system, trained step by step on the shared data."""
+class Run(StepRun):
+    """One model sharded by one system on all ranks (1-D), with ``--optim``."""
 
     def __init__(self, system: str, model_name: str, args, rank: int, world: int, data):
         from torch.distributed.tensor import init_device_mesh
 
         from raggedfsdp.models import Transformer, get_config
 
-        self.system, self.rank, self.world, self.data, self.args = system, rank, world, data, args
         model = Transformer(get_config(model_name), max_seq_len=args.seq, seed=args.seed)
         self.n_params = sum(p.numel() for p in model.parameters())
         shard(model, init_device_mesh("cpu", (world,)), system, **_shard_kwargs(system, args))
-        self.model = model
         if args.optim == "adamw":
-            self.opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
+            opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
         else:
-            self.opt = torch.optim.SGD(model.parameters(), lr=args.lr)
-        self.step_index = 0
-        self.losses: list[float] = []
-        self.times: list[float] = []  # wall seconds per timed step (barrier to barrier)
-        self.cpu: list[float] = []  # CPU seconds of this rank per timed step
-
-    def step(self, timed: bool = False, around=contextlib.nullcontext) -> None:
-        """One training step; ``around()`` (a counter or tracker) wraps its compute only."""
-        from raggedfsdp.models.transformer import lm_loss
-        from raggedfsdp.train.data import get_batch
-
-        x, y = get_batch(
-            self.data, seed=self.args.seed, step=self.step_index, batch_size=self.args.batch,
-            seq_len=self.args.seq, rank=self.rank, world_size=self.world,
-        )  # fmt: skip
-        dist.barrier()
-        t0, c0 = time.perf_counter(), time.process_time()
-        with around():
-            loss = lm_loss(self.model(x), y)
-            loss.backward()
-            self.opt.step()
-            self.opt.zero_grad()
-        cpu = time.process_time() - c0  # this rank's threads (gloo's included), not others'
-        dist.barrier()
-        seconds = time.perf_counter() - t0
-        if timed:
-            self.times.append(seconds)
-            self.cpu.append(cpu)
-        loss = loss.detach()
-        dist.all_reduce(loss)
-        self.losses.append(loss.item() / self.world)
-        self.step_index += 1
+            opt = torch.optim.SGD(model.parameters(), lr=args.lr)
+        super().__init__(system, model, opt, data, args, coord=(rank, world), world=world)
 
     # ---- what the system keeps ------------------------------------------------------------
-    def persistent_storages(self) -> list[torch.Tensor]:
-        return persistent_storages(self.model, self.system)
-
     def padding(self) -> int:
         """Elements added to shard the parameters, summed over the groups."""
         if self.system == "raggedfsdp":
@@ -174,8 +129,8 @@ def count_step(run: Run) -> dict:
 
 
 def memory_step(run: Run) -> tuple[dict, dict]:
-    """Peak memory of one step by ``MemTracker`` category, the system's storages tracked,
-    and what each FSDP group held at that moment (``_PeakGroups``)."""
+    """Peak memory of one step by ``MemTracker`` category (``StepRun.memory_step``), and
+    what each FSDP group held at that moment (``_PeakGroups``)."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
     at_peak = _PeakGroups(run)
@@ -187,21 +142,7 @@ def memory_step(run: Run) -> tuple[dict, dict]:
                 at_peak.sample(self, func)
             return out
 
-    peak = peak_memory(run.step, run.model, run.opt, *run.persistent_storages(), tracker=Tracker)
-    return peak, at_peak.result()
-
-
-def _ragged_groups(model) -> dict[str, list]:
-    """``{group: its BufferViews}`` of raggedfsdp (``"root"`` for the model itself)."""
-    from raggedfsdp.fsdp import buffer_of
-
-    groups: dict[str, dict[int, object]] = {}
-    for fqn, param in model.named_parameters():
-        if (found := buffer_of(param)) is not None:
-            buf, piece = found
-            name = fqn[: len(fqn) - len(piece.fqn)].rstrip(".") or "root"
-            groups.setdefault(name, {})[id(buf)] = buf
-    return {name: list(bufs.values()) for name, bufs in groups.items()}
+    return run.memory_step(tracker=Tracker), at_peak.result()
 
 
 def _nbytes(tensors) -> int:
@@ -227,7 +168,7 @@ class _PeakGroups:
     def __init__(self, run: Run):
         self.run, self.best, self.at = run, -1, {}
         if run.system == "raggedfsdp":
-            self.groups = _ragged_groups(run.model)
+            self.groups = ragged_groups(run.model)
         else:
             self.groups = {
                 name or "root": m._get_fsdp_state()._fsdp_param_group
@@ -323,36 +264,21 @@ def _rank_main(rank: int, world: int, save, args) -> None:
     results = {}
     for model_name in args.models:
         runs = {s: Run(s, model_name, args, rank, world, data) for s in SYSTEMS}
-        for _ in range(args.warmup):
-            for s in SYSTEMS:
-                runs[s].step()
-        for r in range(math.ceil(args.steps / args.block)):
-            order = SYSTEMS if r % 2 == 0 else SYSTEMS[::-1]
-            for s in order:
-                for _ in range(args.block):
-                    runs[s].step(timed=True)
+        _ab.alternate(runs, warmup=args.warmup, steps=args.steps, block=args.block)
         counts = {s: count_step(runs[s]) for s in SYSTEMS}
         memory, at_peak = {}, {}
         for s in SYSTEMS:
             memory[s], at_peak[s] = memory_step(runs[s])
         held = unsharded_grads_step(runs["raggedfsdp"])
         runs["fsdp2"].step()  # same data for both on every step
-        peaks = gather_objects({s: memory[s]["Total"] for s in SYSTEMS})
-        cpus = gather_objects({s: runs[s].cpu for s in SYSTEMS})
-        a, b = (runs[s].losses for s in SYSTEMS)
         bufs = buffers_of(runs["raggedfsdp"].model)
         results[model_name] = {
             "params": runs["raggedfsdp"].n_params,
-            "losses": {s: runs[s].losses for s in SYSTEMS},
-            "max_loss_diff": max(abs(x - y) for x, y in zip(a, b)),
-            "times": {s: runs[s].times for s in SYSTEMS},
-            "cpu": {s: [sum(c) for c in zip(*(p[s] for p in cpus))] for s in SYSTEMS},
+            **_ab.timing_results(runs, memory),
             "padding": {s: runs[s].padding() for s in SYSTEMS},
             "padding_bound": sum(b.layout.lower_bound_padding for b in bufs),
             "counts": counts,
-            "memory_rank0": memory,
             "at_peak_rank0": at_peak,
-            "peak_per_rank": {s: [p[s] for p in peaks] for s in SYSTEMS},
             "ragged_unsharded_grads": held,
             "ragged_shard_grad_bytes": sum(b.layout.shard_size * b.dtype.itemsize for b in bufs),
         }
@@ -361,35 +287,17 @@ def _rank_main(rank: int, world: int, save, args) -> None:
 
 
 # ---- report ------------------------------------------------------------------------------------
-def _r(a: float, b: float, digits: int = 3) -> str:
-    return f"{ratio(a, b):.{digits}f}"
+_r = ratio_cell
 
 
 def _comm(c: dict, kind: str) -> tuple[int, int, int]:
     return tuple(c["comm"].get(kind, [0, 0, 0]))
 
 
-def _paired_ratios(r: dict, block: int) -> list[float]:
-    """raggedfsdp / FSDP2 median step time of each round (the two adjacent blocks)."""
-    return paired_ratios(r["times"]["raggedfsdp"], r["times"]["fsdp2"], block)
-
-
 def _summary_rows(r: dict, args) -> list[tuple[str, str, str, str]]:
     """(metric, raggedfsdp, FSDP2, ratio raggedfsdp / FSDP2), formatted."""
     ca, cb = r["counts"]["raggedfsdp"], r["counts"]["fsdp2"]
-    ta, tb = (statistics.median(r["times"][s]) * 1e3 for s in SYSTEMS)
-    paired = _paired_ratios(r, args.block)
-    rows = [
-        ("step time, median (ms)", f"{ta:.1f}", f"{tb:.1f}", _r(ta, tb)),
-        (
-            f"step time ratio per round, median (min-max) of {len(paired)}",
-            "",
-            "",
-            f"{statistics.median(paired):.3f} ({min(paired):.3f}-{max(paired):.3f})",
-        ),
-    ]
-    ua, ub = (statistics.median(r["cpu"][s]) * 1e3 for s in SYSTEMS)
-    rows.append(("CPU time per step, all ranks, median (ms)", f"{ua:.1f}", f"{ub:.1f}", _r(ua, ub)))
+    rows = _ab.time_rows(r, args.block)
     for kind, i, what in (("all_gather", 2, "output"), ("reduce_scatter", 1, "input")):
         a, b = _comm(ca, kind)[i], _comm(cb, kind)[i]
         rows.append((f"{kind} bytes ({what}, MiB)", mib(a), mib(b), _r(a, b, 4)))
@@ -413,26 +321,12 @@ def _summary_rows(r: dict, args) -> list[tuple[str, str, str, str]]:
     rows.append(
         ("padding, the planner's lower bound (elements)", f"{r['padding_bound']:,}", "", "")
     )
-    steps = len(r["losses"]["raggedfsdp"])
-    rows.append(
-        (f"max abs loss difference over {steps} steps", "", "", f"{r['max_loss_diff']:.3g}")
-    )
+    rows.append(loss_diff_row(r))
     return rows
 
 
 def _raw_numbers(name: str, r: dict) -> list[str]:
-    lines = [f"### {name} ({r['params']:,} parameters)", ""]
-    for s in SYSTEMS:
-        t = r["times"][s]
-        lines.append(f"- {s} step times (ms, in order): " + ", ".join(f"{x * 1e3:.1f}" for x in t))
-        lines.append(
-            f"- {s} min / median / max (ms): {min(t) * 1e3:.1f} / "
-            f"{statistics.median(t) * 1e3:.1f} / {max(t) * 1e3:.1f}"
-        )
-        lines.append(
-            f"- {s} CPU time per step, all ranks (ms, in order): "
-            + ", ".join(f"{x * 1e3:.1f}" for x in r["cpu"][s])
-        )
+    lines = [f"### {name} ({r['params']:,} parameters)", "", *_ab.time_lines(r, spread=True)]
     lines += ["", "Collectives per step (count, input bytes, output bytes):", ""]
     lines += ["| kind | raggedfsdp | FSDP2 |", "|---|---|---|"]
     kinds = sorted(set(r["counts"]["raggedfsdp"]["comm"]) | set(r["counts"]["fsdp2"]["comm"]))
@@ -450,19 +344,9 @@ def _raw_numbers(name: str, r: dict) -> list[str]:
             lines.append(f"| {indent}{op} | {cells[0]} | {cells[1]} |")
     cells = [", ".join(f"{v:,}" for v in r["counts"][s]["copy_backend"]) for s in SYSTEMS]
     lines.append(f"| gloo's copy into a reduce-scatter output | {cells[0]} | {cells[1]} |")
-    lines += ["", "Peak memory (MemTracker, bytes):", ""]
-    lines += ["| | raggedfsdp | FSDP2 |", "|---|---:|---:|"]
-    for rk in range(len(r["peak_per_rank"]["raggedfsdp"])):
-        a, b = (r["peak_per_rank"][s][rk] for s in SYSTEMS)
-        lines.append(f"| rank {rk}, peak | {a:,} | {b:,} |")
-    for key in r["memory_rank0"]["raggedfsdp"]:
-        a, b = (r["memory_rank0"][s].get(key, 0) for s in SYSTEMS)
-        lines.append(f"| rank 0 at its peak: {key} | {a:,} | {b:,} |")
+    lines += _ab.memory_lines(r)
     lines += _at_peak_table(r)
-    lines += ["", "Losses per step:", ""]
-    for s in SYSTEMS:
-        lines.append(f"- {s}: " + ", ".join(f"{x:.6f}" for x in r["losses"][s]))
-    return [*lines, ""]
+    return [*lines, *_ab.loss_lines(r), ""]
 
 
 def _at_peak_table(r: dict) -> list[str]:
@@ -525,16 +409,8 @@ def report(results: dict, args, command: str, seconds: float, load: list) -> str
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--world", type=int, default=4, help="gloo ranks (default 4)")
-    parser.add_argument("--models", nargs="+", default=["llama-small", "moe-small"])
-    parser.add_argument("--steps", type=int, default=40, help="timed steps per system and model")
-    parser.add_argument("--block", type=int, default=4, help="steps per system before switching")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed steps per system first")
-    parser.add_argument("--batch", type=int, default=8, help="global batch (rows)")
-    parser.add_argument("--seq", type=int, default=64, help="tokens per row")
+    _ab.add_arguments(parser, steps=40, block=4, per="model", page="step.md")
     parser.add_argument("--optim", choices=["adamw", "sgd"], default="adamw")
-    parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--reshard-after-forward",
         action=argparse.BooleanOptionalAction,
@@ -544,17 +420,10 @@ def main(argv=None) -> None:
     parser.add_argument(
         "--mp", choices=["fp32", "bf16"], default="fp32", help="bf16: param bf16, reduce fp32"
     )
-    parser.add_argument("--out", type=Path, default=RESULTS / "step.md")
     args = parser.parse_args(argv)
     if args.batch % args.world:
         parser.error(f"--batch {args.batch} must be a multiple of --world {args.world}")
-    command = " ".join([".venv/bin/python", "benchmarks/step.py", *sys.argv[1:]])
-    print(command, flush=True)
-    t0, load = time.perf_counter(), [os.getloadavg()[0]]
-    results = run_ranks(_rank_main, args.world, args)
-    load.append(os.getloadavg()[0])
-    write_results(args.out, report(results, args, command, time.perf_counter() - t0, load))
-    print(args.out.read_text())
+    _ab.run_page("step.py", _rank_main, args, report)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,11 @@ import sys
 COMMANDS = {
     "demo": ("raggedfsdp.cli.demo", "train on 4 ranks with raggedfsdp and FSDP2, side by side"),
     "train": ("raggedfsdp.cli.train", "train a model on N ranks (torchrun)"),
+    "export": (
+        "raggedfsdp.cli.export",
+        "a trained Hugging Face model as a directory transformers loads",
+    ),
+    "tokenize": ("raggedfsdp.cli.tokenize", "text, folders or JSON-lines into a token file"),
     "plan": ("raggedfsdp.cli.plan", "plan communication buffers for a model"),
     "simulate": ("raggedfsdp.cli.simulate", "memory and comms of one rank of N, on fake tensors"),
     "walkthrough": ("raggedfsdp.cli.walkthrough", "RaggedShard on 4 gloo ranks, step by step"),

@@ -166,6 +166,7 @@ def save(
     except Exception as err:  # every rank raises it: see [Note: errors reach every rank]
         error = err
     files.check_space(root, ranks.exchange(report, error))
+    assert report is not None  # exchange() raised otherwise
     handle = SaveHandle(step, files.step_dir(root, step))
     if not async_save:
         _write(root, step, tensors, structure, keep_last, ranks, report["needed"])
@@ -376,6 +377,7 @@ def load(
     error = None
     try:
         record = files.read_marker(directory)
+        assert record is not None  # resolve() chose a checkpoint with a marker
         problem = files.verify(directory, record["files"], [_DCP_METADATA, STRUCTURE])
         if problem:
             raise CorruptCheckpointError(_corrupt(directory, problem))
@@ -393,6 +395,7 @@ def load(
     except Exception as err:
         error = err
     ranks.agree(error)
+    assert record is not None  # agree() raised otherwise
 
     # 2. every data file against its checksum, a share per rank
     error = None
@@ -428,7 +431,7 @@ def load(
         )
     error = None
     try:
-        if loading_optim:
+        if optimizer is not None:  # loading_optim
             optimizer.load_state_dict(_state.optimizer_state_dict(live, structure, staged))
     except Exception as err:
         error = err

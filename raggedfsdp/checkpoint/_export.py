@@ -91,6 +91,7 @@ def export_safetensors(
     except Exception as err:  # every rank raises it: see [Note: errors reach every rank]
         error = err
     ranks.agree(error)
+    assert live is not None  # agree() raised otherwise
     if ranks.rank == 0:
         if tmp.exists():
             shutil.rmtree(tmp)

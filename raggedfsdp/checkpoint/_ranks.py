@@ -69,6 +69,7 @@ class Ranks:
         if failed:
             first_rank, first = failed[0]
             if first_rank == self.rank:
+                assert error is not None  # this rank's own
                 raise error
             if self.world > 1:
                 first.add_note(f"(raised on rank {first_rank} of {self.world}: on every rank)")

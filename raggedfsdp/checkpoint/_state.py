@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import io
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch import Tensor, nn
@@ -99,6 +100,7 @@ class LiveState:
         """The structure record (everything that is not a sharded tensor)."""
         optim = None
         if self.optim_params is not None:
+            assert self.optim_groups is not None and self.optim_state is not None  # set together
             optim = {
                 "class": self.optim_class,
                 "param_groups": [
@@ -172,7 +174,9 @@ def collect(model: nn.Module, optimizer: torch.optim.Optimizer | None, where: st
             continue
         first_name[id(value)] = fqn
         model_tensors[fqn] = value
-    params = {first_name[id(p)]: p for p in model.parameters() if id(p) in first_name}
+    params: dict[str, Tensor] = {
+        first_name[id(p)]: p for p in model.parameters() if id(p) in first_name
+    }
     live = LiveState(model_tensors, aliases, params)
     if optimizer is None:
         return live
@@ -229,7 +233,7 @@ def snapshot(tensors: dict[str, Tensor]) -> dict[str, Tensor]:
     DTensors keep their spec (mesh, placements, global shape): DCP's boxes come from
     the spec and the local tensor only.
     """
-    out = {}
+    out: dict[str, Tensor] = {}
     for key, t in tensors.items():
         if isinstance(t, DTensor):
             local = t._local_tensor.detach().to("cpu", copy=True)
@@ -266,6 +270,7 @@ def check_against(live: LiveState, structure: dict, metadata: Metadata, loading_
     )
     if not loading_optim:
         return problems
+    assert live.optim_params is not None and live.optim_state is not None  # loading_optim
     saved = structure["optim"]
     if saved is None:
         problems.append("the checkpoint holds no optimizer state; pass optimizer=None")
@@ -347,11 +352,12 @@ def needs_priming(live: LiveState, structure: dict, metadata: Metadata) -> list[
     """
     md = metadata.state_dict_metadata
     out = []
+    assert live.optim_state is not None  # collected with the optimizer
     for fqn, keys in structure["optim"]["tensor_keys"].items():
         if live.optim_state.get(fqn):
             continue
         shape = tuple(live.params[fqn].shape)
-        if any(tuple(md[_optim_key(fqn, k)].size) not in ((), shape) for k in keys):
+        if any(tuple(_tensor_md(md, _optim_key(fqn, k)).size) not in ((), shape) for k in keys):
             out.append(fqn)
     return out
 
@@ -413,11 +419,12 @@ def stage(live: LiveState, structure: dict, metadata: Metadata, loading_optim: b
     staged = {_model_key(f): _empty_like(t) for f, t in live.model.items()}
     if not loading_optim:
         return staged
+    assert live.optim_state is not None  # loading_optim
     for fqn, keys in structure["optim"]["tensor_keys"].items():
         state = live.optim_state.get(fqn) or {}
         param = live.params[fqn]
         for key in keys:
-            saved = md[_optim_key(fqn, key)]
+            saved = _tensor_md(md, _optim_key(fqn, key))
             if key in state:
                 template, dtype = state[key], None
             elif tuple(saved.size) == tuple(param.shape):
@@ -427,6 +434,11 @@ def stage(live: LiveState, structure: dict, metadata: Metadata, loading_optim: b
                 dtype = saved.properties.dtype
             staged[_optim_key(fqn, key)] = _empty_like(template, dtype)
     return staged
+
+
+def _tensor_md(md: dict, key: str) -> TensorStorageMetadata:
+    """The metadata of a tensor entry (every optimizer state key ``tensor_keys`` lists)."""
+    return cast(TensorStorageMetadata, md[key])
 
 
 def _local(t: Tensor) -> Tensor:
@@ -443,6 +455,7 @@ def copy_into(live: LiveState, staged: dict[str, Tensor]) -> None:
 def optimizer_state_dict(live: LiveState, structure: dict, staged: dict[str, Tensor]) -> dict:
     """The staged optimizer state in ``Optimizer.load_state_dict``'s format (ids, not FQNs)."""
     saved = structure["optim"]
+    assert live.optim_params is not None  # collected with the optimizer
     index = {fqn: i for i, fqn in enumerate(f for g in live.optim_params for f in g)}
     state = {}
     for fqn, keys in saved["tensor_keys"].items():

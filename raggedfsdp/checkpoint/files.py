@@ -52,9 +52,11 @@ from pathlib import Path
 __all__ = [
     "MARKER",
     "CorruptCheckpointError",
+    "DirectoryLock",
     "RootLock",
     "fault_point",
     "flock_directory",
+    "fsync_dir",
     "check_space",
     "disk_full",
     "checkpoints",
@@ -62,6 +64,7 @@ __all__ = [
     "describe",
     "file_digest",
     "read_marker",
+    "replace_file",
     "remove",
     "space_report",
     "resolve",
@@ -110,7 +113,8 @@ def _trash_dir(path: Path) -> Path:
 
 
 # ---- files --------------------------------------------------------------------------------
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
+    """Make the entries of directory ``path`` durable (a rename or a new file in it)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -118,15 +122,22 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_file(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` durably and atomically (temporary name, fsync, rename)."""
+def replace_file(path: Path, data: bytes) -> None:
+    """Replace ``path`` by ``data`` atomically: written to ``path.part`` and fsynced, then
+    renamed over ``path`` (a crash leaves the old file or the new one, never a mix). The
+    rename is durable once the directory is fsynced (``fsync_dir``)."""
     part = path.with_name(path.name + ".part")
     with open(part, "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
     os.replace(part, path)
-    _fsync_dir(path.parent)
+
+
+def write_file(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` durably and atomically (temporary name, fsync, rename)."""
+    replace_file(path, data)
+    fsync_dir(path.parent)
 
 
 def file_digest(path: Path) -> dict:
@@ -255,7 +266,7 @@ def stale_dirs(root: Path) -> list[Path]:
 def commit(tmp: Path, final: Path) -> None:
     """Make the checkpoint in ``tmp`` visible as ``final``: one atomic rename, then fsync."""
     os.rename(tmp, final)
-    _fsync_dir(final.parent)
+    fsync_dir(final.parent)
 
 
 def remove(path: Path, hook=None) -> None:
@@ -265,7 +276,7 @@ def remove(path: Path, hook=None) -> None:
         if trash.exists():
             shutil.rmtree(trash)
         os.rename(path, trash)
-        _fsync_dir(path.parent)
+        fsync_dir(path.parent)
         path = trash
         if hook is not None:
             hook("cleanup")
@@ -295,7 +306,43 @@ def flock_directory(path: Path, unsupported: Callable[[str], None]) -> int | Non
     return fd
 
 
-class RootLock:
+class DirectoryLock:
+    """An exclusive ``flock`` on a directory (``flock_directory``), held from ``acquire``
+    to ``release``, or as a context manager. A subclass says what the two failures mean:
+    ``busy()`` is the error raised when another live process holds the lock,
+    ``unlocked(reason)`` is told when the filesystem cannot lock (and the caller goes on
+    unlocked)."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self._fd: int | None = None
+
+    def acquire(self) -> None:
+        try:
+            self._fd = flock_directory(self.path, self.unlocked)
+        except BlockingIOError:
+            raise self.busy() from None
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing drops the lock
+            self._fd = None
+
+    def __enter__(self) -> DirectoryLock:
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+    def busy(self) -> Exception:
+        raise NotImplementedError
+
+    def unlocked(self, reason: str) -> None:
+        pass
+
+
+class RootLock(DirectoryLock):
     """An exclusive ``flock`` on the root directory while a save writes, commits, cleans up.
 
     See [Note: commit protocol]. Used as a context manager by rank 0. The directory
@@ -308,34 +355,20 @@ class RootLock:
 
     _warned = False
 
-    def __init__(self, root: Path):
-        self.root = Path(root)
-        self._fd: int | None = None
+    def busy(self) -> Exception:
+        return ValueError(
+            f"save: another live process is saving into '{self.path}'; give each job "
+            "its own checkpoint directory (or wait for that one to end)"
+        )
 
-    def __enter__(self) -> RootLock:
-        try:
-            self._fd = flock_directory(self.root, self._unlocked)
-        except BlockingIOError:
-            raise ValueError(
-                f"save: another live process is saving into '{self.root}'; give each job "
-                "its own checkpoint directory (or wait for that one to end)"
-            ) from None
-        return self
-
-    def _unlocked(self, reason: str) -> None:
+    def unlocked(self, reason: str) -> None:
         if not RootLock._warned:
             RootLock._warned = True
             warnings.warn(
-                f"save: '{self.root}' cannot be locked ({reason}); two jobs saving "
+                f"save: '{self.path}' cannot be locked ({reason}); two jobs saving "
                 "into it at once would not be detected",
-                stacklevel=4,
+                stacklevel=5,
             )
-
-    def __exit__(self, *exc) -> None:
-        if self._fd is not None:
-            fcntl.flock(self._fd, fcntl.LOCK_UN)
-            os.close(self._fd)
-            self._fd = None
 
 
 # ---- free space ---------------------------------------------------------------------------
@@ -411,7 +444,8 @@ def disk_full(error: BaseException, root: Path, needed: int) -> OSError | None:
     (``enforce fail at inline_container.cc ... file write failed``); DCP wraps every
     rank's error in a ``CheckpointException``. Both are searched.
     """
-    seen, todo = set(), [error]
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [error]
     while todo:
         err = todo.pop()
         if err is None or id(err) in seen:

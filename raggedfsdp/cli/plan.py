@@ -46,14 +46,12 @@ from raggedfsdp.planner import (
     DEFAULT_MAX_BUFFERS,
     WHOLE,
     PeerPadding,
-    TensorSpec,
     clear_plan_cache,
     dtype_name_and_itemsize,
     fsdp1_padding,
     fsdp2_padding,
     plan_buffers,
     split_objective,
-    with_block_rows,
     zero3_padding,
 )
 
@@ -175,19 +173,6 @@ def _load(model: str) -> tuple[str, tuple[Any, ...], str]:
     )
 
 
-def _specs(group: Any, block_rows: int | str) -> list[TensorSpec]:
-    out = []
-    for p in group.params:
-        if p.block_rows is not None:  # the file's own block: strict
-            out.append(
-                TensorSpec(name=p.fqn, shape=p.shape, block_rows=p.block_rows, stack=p.stack)
-            )
-        else:
-            spec = TensorSpec(name=p.fqn, shape=p.shape, stack=p.stack)
-            out.append(with_block_rows(spec, block_rows))
-    return out
-
-
 def _list() -> int:
     from raggedfsdp.models import CATALOGUE, num_params
 
@@ -234,7 +219,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         max_buffers = 1 if args.exact else DEFAULT_MAX_BUFFERS
     if max_buffers < 1:
         raise ValueError(f"--max-buffers must be >= 1, got {max_buffers}")
-    specs = {g.name: _specs(g, args.block_rows) for g in groups}
+    specs = {g.name: g.specs(args.block_rows) for g in groups}
     clear_plan_cache()  # time a cold plan
     t0 = time.perf_counter()
     plans = {

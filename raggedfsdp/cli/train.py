@@ -25,7 +25,7 @@ from raggedfsdp.planner import DEFAULT_MAX_BUFFERS
 from raggedfsdp.train.checks import TRAIN_MODELS, check_args
 
 BACKENDS = ("raggedfsdp", "fsdp2")
-OPTIMIZERS = ("adamw", "flat-adamw", "muon", "adamw8bit", "sgd")
+OPTIMIZERS = ("adamw", "flat-adamw", "muon", "shampoo", "adamw8bit", "sgd")
 DEFAULT_TIMEOUT_S = 300.0
 
 
@@ -41,11 +41,17 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m raggedfsdp train",
         description="Train a catalogue model with fully sharded data parallelism on N ranks "
-        "(gloo on CPU), launched through torch.distributed.run.",
+        "(NCCL on CUDA, gloo on the CPU), launched through torch.distributed.run.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     g = p.add_argument_group("model and sharding")
-    g.add_argument("--model", default="llama-tiny", help=f"one of {', '.join(TRAIN_MODELS)}")
+    g.add_argument(
+        "--model",
+        default="llama-tiny",
+        help=f"one of {', '.join(TRAIN_MODELS)}, or hf:DIR, a local Hugging Face causal LM "
+        "(DIR/config.json, and its *.safetensors weights if any, else a seeded random init; "
+        "needs transformers: pip install 'raggedfsdp[hf]')",
+    )
     g.add_argument("--backend", default="raggedfsdp", choices=BACKENDS, help="FSDP implementation")
     g.add_argument("--block-rows", default="1", help="rows per block (int or 'whole')")
     g.add_argument(
@@ -69,7 +75,13 @@ def build_parser() -> argparse.ArgumentParser:
         "whole experts: on where it lowers the padding, always to exercise the layout "
         "(fully_shard(member_gaps=))",
     )
-    g.add_argument("--bf16", action="store_true", help="bf16 parameters, fp32 gradient reduction")
+    g.add_argument(
+        "--bf16",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="bf16 parameters, fp32 gradient reduction; --no-bf16: fp32 throughout (default: "
+        "bf16 on an accelerator, fp32 on the CPU)",
+    )
     g.add_argument(
         "--mesh",
         default=None,
@@ -84,6 +96,13 @@ def build_parser() -> argparse.ArgumentParser:
         "with ep, are not supported yet",
     )
     g = p.add_argument_group("launch")
+    g.add_argument(
+        "--device",
+        default="auto",
+        help="auto (the accelerator torch finds, else the CPU), cpu, or an accelerator's "
+        "device type (cuda, xpu, ...); one rank per device, with the process-group backend "
+        "torch pairs with it",
+    )
     g.add_argument("--nproc", type=int, default=4, help="ranks on this machine")
     g.add_argument("--nnodes", default="1", help="machines (torchrun --nnodes)")
     g.add_argument("--node-rank", type=int, default=0, help="this machine's rank")
@@ -109,9 +128,23 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--data",
         default=None,
-        help="a text file or folder; default: the Python standard library's sources",
+        help='a text file, a JSON-lines file (*.jsonl, a "text" field a line), a folder of '
+        "both, or a token file (python -m raggedfsdp tokenize); default: the Python standard "
+        "library's sources",
     )
-    g.add_argument("--max-bytes", type=int, default=8 << 20, help="bytes of text to read")
+    g.add_argument(
+        "--tokenizer",
+        default=None,
+        metavar="DIR",
+        help="a folder holding a tokenizer.json (Hugging Face tokenizers; nothing is "
+        "downloaded) that turns --data's text into ids; None: byte-level ids 0..255",
+    )
+    g.add_argument(
+        "--max-bytes",
+        type=int,
+        default=8 << 20,
+        help="bytes of text to read (a token file is mapped whole)",
+    )
     g.add_argument("--val-every", type=int, default=50, help="validation every K steps (0: off)")
     g.add_argument("--val-batches", type=int, default=4, help="batches per validation")
     g = p.add_argument_group("output")
@@ -162,7 +195,10 @@ def main(argv: list[str], launch: Callable[[argparse.Namespace], int] | None = N
     """
     parser = build_parser()
     args = parser.parse_args(argv)
+    from raggedfsdp.train.devices import resolve_train_device
+
     try:
+        resolve_train_device(args)  # --device auto and the default precision, once
         _, digest = check_args(args)
     except (ValueError, NotImplementedError) as e:
         parser.error(str(e))

@@ -5,7 +5,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.distributed as dist
@@ -17,6 +18,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPo
 from torch.distributed.tensor import Shard
 
 from raggedfsdp.fsdp._buffers import buffer_of
+from raggedfsdp.fsdp._device import default_device_type, move_to_mesh_device
 from raggedfsdp.fsdp._fp8 import Float8BlockAllGather, check_master_dtype
 from raggedfsdp.fsdp._group_set import GroupSet
 from raggedfsdp.fsdp._mesh import dp_key, placement_and_mesh
@@ -72,7 +74,10 @@ def fully_shard(
         module: the module to shard, or a list of modules that form one group (they
             unshard before the first of them runs forward, reshard after the last).
         mesh: a 1-D ``DeviceMesh``, or a 2-D one ``(replicate, shard)`` for HSDP (see
-            [Note: HSDP]). Default: all ranks of the default process group.
+            [Note: HSDP]). Default, as FSDP2's: all ranks of the default process group, on
+            torch's accelerator when it has one, else on the CPU (see [Note: the mesh's
+            device] in ``_device.py``). Parameters and buffers not on the mesh's device
+            move there, as in FSDP2 (meta ones stay on meta).
         reshard_after_forward: free the unsharded parameters after forward (True),
             keep them until after backward (False), or keep them sharded over groups
             of this many consecutive ranks (an int that divides the mesh size; as in
@@ -189,11 +194,7 @@ def fully_shard(
                 "fully_shard: no mesh given and no default process group; "
                 "call torch.distributed.init_process_group first"
             )
-        device = next(
-            (p.device.type for m in modules for p in m.parameters() if p.device.type != "meta"),
-            "cpu",
-        )
-        mesh = init_device_mesh(device, (dist.get_world_size(),))
+        mesh = init_device_mesh(default_device_type(), (dist.get_world_size(),))
     if dp_mesh_dims is not None:
         _check_dp_mesh_dims(mesh, dp_mesh_dims)
     if mesh.ndim not in (1, 2):
@@ -216,14 +217,15 @@ def fully_shard(
             placement, meshes[i] = placement_and_mesh(ref.fqn, shard_placement_fn(p), mesh)
             _check_placement(ref.fqn, p, placement)
     name = type(modules[0]).__name__ + (f" and {len(modules) - 1} more" if len(modules) > 1 else "")
+    move_to_mesh_device(modules, originals, mesh, is_managed=lambda m: state_of(m) is None)
     group = None
     # [Note: a mesh per parameter] Parameters that shard_placement_fn gives their own mesh
     # (torch's ShardPlacementResult) are planned apart, one buffer kind per data-parallel
     # mesh (compared by process groups, as FSDP2 groups them); the call's groups are one
     # GroupSet whose buffers live on different meshes.
     by_mesh: dict[tuple, list[int]] = {}
-    for i, m in enumerate(meshes):
-        by_mesh.setdefault(dp_key(m), []).append(i)
+    for i, param_mesh in enumerate(meshes):
+        by_mesh.setdefault(dp_key(param_mesh), []).append(i)
     parts = []
     for k, mine in enumerate(by_mesh.values()):
         part_name = name if len(by_mesh) == 1 else f"{name}[mesh {k}]"
@@ -310,7 +312,7 @@ def _check_unsupported(modules, offload_policy) -> None:
         )
 
 
-def _aligned_where_rows_allow(specs, itemsize: int, at) -> list[BufferLayout]:
+def _aligned_where_rows_allow(specs, itemsize: int, at) -> Sequence[BufferLayout]:
     """The default alignment (``alignment_bytes=None``): ``DEFAULT_ALIGNMENT_BYTES``, unless
     the group's blocks are not whole multiples of it and that alignment bloats a buffer.
 
@@ -529,10 +531,10 @@ def _new_group(
     plain = set(range(len(specs))) - selected - hooked
     world = mesh.size(mesh.ndim - 1)
 
-    def plan(part: list, how: Float8BlockAllGather | None) -> list[BufferLayout]:
+    def plan(part: list, how: Float8BlockAllGather | None) -> Sequence[BufferLayout]:
         dtype = dtypes[index[part[0].name]]
 
-        def at(align: int) -> list[BufferLayout]:
+        def at(align: int) -> tuple[BufferLayout, ...]:
             return plan_buffers(
                 part,
                 world,
@@ -630,7 +632,7 @@ def _fp8_selected(refs, specs, dtypes, fp8: Float8BlockAllGather, kw) -> set[int
 class UnshardHandle:
     """Returned by ``FSDPModule.unshard(async_op=True)``; ``wait()`` finishes the all-gather."""
 
-    def __init__(self, group: ParamGroup | None):
+    def __init__(self, group: GroupSet | None):
         self._group = group
 
     def wait(self) -> None:
@@ -654,16 +656,22 @@ class FSDPModule(TorchFSDPModule):
     # [FSDP<Orig>, raggedfsdp FSDPModule, torch FSDPModule, Orig, ...]
     _orig_cls_mro_index = 3
 
-    def _get_fsdp_state(self) -> FSDPState:
+    if TYPE_CHECKING:  # the module's own (the class is mixed into an nn.Module's)
+
+        def modules(self) -> Iterator[nn.Module]: ...
+
+    # raggedfsdp's state, in place of torch's FSDPState: torch's helpers read it alike
+    def _get_fsdp_state(self) -> FSDPState:  # type: ignore[override]
         """The module's state (what torch's ``register_fsdp_forward_method`` calls)."""
         return _checked_state(self)
 
     def _fsdp_states(self, recurse: bool) -> list[FSDPState]:
-        mods = self.modules() if recurse else [self]
+        mods = self.modules() if recurse else [cast(nn.Module, self)]
         return list(dict.fromkeys(s for m in mods if (s := state_of(m)) is not None))
 
     # ---- unshard / reshard ----------------------------------------------------------------
-    def unshard(self, async_op: bool = False) -> UnshardHandle | None:
+    # raggedfsdp's handle, in place of torch's: the same wait()
+    def unshard(self, async_op: bool = False) -> UnshardHandle | None:  # type: ignore[override]
         """All-gather this module's parameters now (``async_op``: return a handle)."""
         group = _checked_state(self).group
         if group is not None:
@@ -810,11 +818,11 @@ class FSDPModule(TorchFSDPModule):
         parameters (an embedding), so they are not all-gathered again."""
         _checked_state(self).set_unshard_in_backward(bool(unshard_in_backward))
 
-    def set_modules_to_forward_prefetch(self, modules: Iterable[FSDPModule]) -> None:
+    def set_modules_to_forward_prefetch(self, modules: Iterable[TorchFSDPModule]) -> None:
         """All-gather these modules' parameters at the start of this module's forward."""
         _checked_state(self).set_prefetch(forward=[_checked_state(m) for m in modules])
 
-    def set_modules_to_backward_prefetch(self, modules: Iterable[FSDPModule]) -> None:
+    def set_modules_to_backward_prefetch(self, modules: Iterable[TorchFSDPModule]) -> None:
         """All-gather these modules' parameters at the start of this module's backward."""
         _checked_state(self).set_prefetch(backward=[_checked_state(m) for m in modules])
 

@@ -228,7 +228,7 @@ class BufferView:
         size, stride, start = group.layout.local_view_args(ref.fqn, group.rank)
         n = math.prod(size)  # the last element's offset + 1 (every stride positive)
         stop = start + sum((k - 1) * d for k, d in zip(size, stride)) + 1 if n else start
-        return ParamSlice(ref.fqn, ref.sharded, start, stop, ref.requires_grad, size, stride)
+        return ParamSlice(ref.fqn, ref.param, start, stop, ref.requires_grad, size, stride)
 
     def slice_of(self, param: torch.Tensor) -> ParamSlice:
         """The ``ParamSlice`` of ``param``, a sharded parameter of this buffer.
@@ -258,7 +258,7 @@ class BufferView:
         padding hold zero gradients).
         """
         return all(
-            ref.sharded.grad is not None and ref.sharded.grad is ref.sharded_grad
+            ref.param.grad is not None and ref.param.grad is ref.sharded_grad
             for ref in self._group.refs
             if ref.requires_grad
         )

@@ -32,11 +32,23 @@ block freed by one group can be reused by the next group's gather.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-__all__ = ["DeviceStreams", "new_group_like", "streams_for"]
+__all__ = [
+    "DeviceStreams",
+    "can_pin_memory",
+    "default_device_type",
+    "mesh_device",
+    "move_to_mesh_device",
+    "new_group_like",
+    "streams_for",
+]
 
 
 class DeviceStreams:
@@ -96,6 +108,85 @@ class DeviceStreams:
         self.reduce_scatter.wait_event(self._record())
         with self.reduce_scatter:
             yield
+
+
+# [Note: the mesh's device]
+# FSDP2's rule, followed to the letter (``_init_default_mesh`` and ``_move_states_to_device``
+# in ``torch/distributed/fsdp/_fully_shard/_fsdp_init.py``):
+#
+# - Without ``mesh=``, the mesh is over all ranks on torch's accelerator, the one torch was
+#   built for (``torch._C._get_accelerator()``, which is ``current_accelerator()`` with no
+#   runtime check: a CUDA build whose GPUs are hidden gets a CUDA mesh and fails there, as
+#   FSDP2 does), else on the CPU. Not the parameters' device: a module built on the CPU
+#   is sharded on the accelerator.
+# - The call's parameters and its modules' buffers that are not on the mesh's device (the
+#   accelerator's current device) move there before they are sharded; meta ones stay on
+#   meta (deferred init), DTensors are left to their own mesh.
+# - CPU offload pins its host storages when an accelerator is present (copies to it can
+#   then be asynchronous); without one there is nothing to pin for (and torch cannot pin).
+
+
+def default_device_type() -> str:
+    """The device type of ``fully_shard``'s default mesh: see [Note: the mesh's device]."""
+    acc = torch.accelerator.current_accelerator()
+    return "cpu" if acc is None else acc.type
+
+
+def can_pin_memory() -> bool:
+    """Whether CPU offload pins host memory: an accelerator is present."""
+    return torch.accelerator.is_available()
+
+
+def mesh_device(mesh) -> torch.device:
+    """The device of ``mesh`` on this process: the CPU, or the accelerator's current device."""
+    if mesh.device_type == "cpu":
+        return torch.device("cpu")
+    return torch.device(mesh.device_type, torch.accelerator.current_device_index())
+
+
+def move_to_mesh_device(
+    modules: Iterable[nn.Module],
+    params: Iterable[nn.Parameter],
+    mesh,
+    is_managed: Callable[[nn.Module], bool],
+) -> None:
+    """Move ``params`` and the buffers of ``modules`` (and of their submodules that
+    ``is_managed``) to ``mesh``'s device, in place; see [Note: the mesh's device].
+
+    Args:
+        modules: the modules of one ``fully_shard`` call.
+        params: the parameters it shards.
+        mesh: its mesh.
+        is_managed: False for a submodule another ``fully_shard`` call holds (its subtree
+            is that call's).
+    """
+    buffers: list[torch.Tensor] = []
+
+    def visit(m: nn.Module) -> None:
+        buffers.extend(b for b in m._buffers.values() if b is not None)
+        for child in m.children():
+            if is_managed(child):
+                visit(child)
+
+    for m in modules:
+        visit(m)
+    todo = [
+        t for t in (*params, *buffers) if t.device.type != "meta" and not isinstance(t, DTensor)
+    ]
+    if not todo:
+        return
+    device = mesh_device(mesh)
+    for t in todo:
+        if t.device == device:
+            continue
+        if is_traceable_wrapper_subclass(t):  # its .data cannot be replaced: swap whole
+            with torch.no_grad():
+                moved = t.to(device)
+                if isinstance(t, nn.Parameter):
+                    moved = nn.Parameter(moved, requires_grad=t.requires_grad)
+            torch.utils.swap_tensors(t, moved)
+        else:
+            t.data = t.to(device)
 
 
 _STREAMS: dict[torch.device, DeviceStreams] = {}

@@ -11,6 +11,8 @@ group's buffers, references and settings, defined in ``_param_group.py``.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.distributed as dist
@@ -18,10 +20,17 @@ from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 from torch.distributed.tensor import DTensor
 
-from raggedfsdp.fsdp._device import new_group_like
+from raggedfsdp.fsdp._device import DeviceStreams, new_group_like
 from raggedfsdp.fsdp._hooks import may_read_parameters, reads_no_parameters
-from raggedfsdp.fsdp._records import ParamRef, PendingReduce, ShardedState
+from raggedfsdp.fsdp._records import ParamRef, PendingGather, PendingReduce, ShardedState
 from raggedfsdp.fsdp._trace import logger, phase
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from raggedfsdp.fsdp._subclass import SubclassGather
+    from raggedfsdp.fsdp.dbuffer import DBuffer
+    from raggedfsdp.planner import BufferLayout
 
 __all__ = ["GradientPath", "mark_got_grad"]
 
@@ -29,9 +38,52 @@ __all__ = ["GradientPath", "mark_got_grad"]
 class GradientPath:
     """The gradient methods of ``ParamGroup``."""
 
+    # What the methods read of ``ParamGroup`` (set in its ``__init__``; see there).
+    refs: list[ParamRef]
+    name: str
+    mesh: DeviceMesh
+    process_group: dist.ProcessGroup
+    world: int
+    replicate_group: dist.ProcessGroup | None
+    replicate_size: int
+    requires_all_reduce: bool
+    _partial_reduce: torch.Tensor | None  # 1D, S
+    dtype: torch.dtype
+    device: torch.device
+    offload: bool
+    streams: DeviceStreams
+    compute_dtype: torch.dtype
+    reduce_dtype: torch.dtype
+    layout: BufferLayout
+    subclass: SubclassGather | None
+    dbuf: DBuffer
+    state: ShardedState
+    _gather: PendingGather | None
+    needs_post_backward: bool
+    grads_in_params: bool
+    _in_place: bool
+    grads_in_params_ran: bool | None
+    grad_storage_reason: str | None
+    _grads_hold_params: bool
+    _reduce: PendingReduce | None
+    requires_gradient_sync: bool
+    gradient_divide_factor: float | None
+    _accumulated: torch.Tensor | None  # 1D, m*S, reduce dtype
+    force_sum_reduction: bool
+    all_reduce_hook: Callable[[torch.Tensor], None] | None
+    reduce_process_group: dist.ProcessGroup
+
+    if TYPE_CHECKING:  # ParamGroup's methods
+
+        def _expect(self, action: str, *states: ShardedState) -> None: ...
+        def placements(self, ref: ParamRef) -> list: ...
+        def param_mesh(self, ref: ParamRef) -> DeviceMesh: ...
+        def wait_for_unshard(self) -> None: ...
+        def reshard(self, post_forward: bool = False, free: bool = True) -> None: ...
+
     def release_dropped_grads(self) -> None:
         """Free the shard gradient storage if every sharded ``.grad`` was dropped."""
-        if self._reduce is None and all(ref.sharded.grad is None for ref in self.refs):
+        if self._reduce is None and all(ref.param.grad is None for ref in self.refs):
             self.dbuf.shard_grads.free()
 
     def prepare_grads(
@@ -157,6 +209,7 @@ class GradientPath:
         grad = self.dbuf.global_grad_view(ref.fqn, in_params=True)
         grad.zero_()
         ref.assigned_grad = grad if ref.tp is None else ref.tp.unsharded(grad, False)
+        assert ref.unsharded is not None  # its tensor hook called this
         ref.unsharded.grad = ref.assigned_grad
 
     def _take_param_storage(self) -> torch.Tensor:
@@ -225,7 +278,9 @@ class GradientPath:
                 continue
             grad = p.grad
             if grad is None:  # cleared after it was pointed at the storage: no gradient
-                local = ref.assigned_grad.to_local() if ref.tp is not None else ref.assigned_grad
+                assert ref.assigned_grad is not None  # p.grad (None) is not it
+                assigned = ref.assigned_grad
+                local = cast(DTensor, assigned).to_local() if ref.tp is not None else assigned
                 local.zero_()
                 ref.got_grad = False
                 continue
@@ -236,9 +291,11 @@ class GradientPath:
                     if not self.dbuf.global_grads.allocated:
                         self._alloc_grads()
                     self._point_at_storage(ref)
-            target = ref.assigned_grad.to_local() if ref.tp is not None else ref.assigned_grad
+            assert ref.assigned_grad is not None  # made just above if it was not there
+            assigned = ref.assigned_grad
+            target = cast(DTensor, assigned).to_local() if ref.tp is not None else assigned
             grad = grad.detach()
-            target.copy_(grad.to_local() if ref.tp is not None else grad)
+            target.copy_(cast(DTensor, grad).to_local() if ref.tp is not None else grad)
             p.grad = ref.assigned_grad
             ref.got_grad = True
 
@@ -273,7 +330,7 @@ class GradientPath:
                 f"fully_shard group {self.name}: a reduce-scatter was started while an earlier "
                 "one was still in flight"
             )
-        accumulate = earlier is not None or any(ref.sharded.grad is not None for ref in self.refs)
+        accumulate = earlier is not None or any(ref.param.grad is not None for ref in self.refs)
         direct = (
             not accumulate
             and self.reduce_dtype == self.dtype
@@ -409,6 +466,10 @@ class GradientPath:
         Returns the parameters another rank's gradient arrived for while this rank had
         none (see ``_gradients_arrived``); then no gradient of the group is set."""
         self.wait_reduce()
+        if self._reduce is None:
+            raise AssertionError(
+                f"fully_shard group {self.name}: finalize_grads without a reduce-scatter"
+            )
         output, direct, earlier = self._reduce.output, self._reduce.direct, self._reduce.earlier
         self._reduce = None
         if earlier is not None:
@@ -431,7 +492,7 @@ class GradientPath:
             output.div_(self.world * self.replicate_size)
         if self.all_reduce_hook is not None:
             self.all_reduce_hook(output)
-        if not direct and all(ref.sharded.grad is None for ref in self.refs):
+        if not direct and all(ref.param.grad is None for ref in self.refs):
             # only a dtype differs (reduce_dtype != param dtype): one cast of the buffer
             self.dbuf.shard_grad.copy_(output)
             direct = True
@@ -443,7 +504,7 @@ class GradientPath:
         for ref, gets_grad in zip(self.refs, got_grad):
             ref.got_grad = False
             if not ref.requires_grad or not gets_grad:
-                if not direct and ref.sharded.grad is None:
+                if not direct and ref.param.grad is None:
                     # keep the buffer's norm exact: no stale values where .grad is None
                     self.dbuf.shard_grad_view(ref.fqn).zero_()
                 continue
@@ -453,18 +514,18 @@ class GradientPath:
                     self.param_mesh(ref),
                     self.placements(ref),
                     shape=ref.shape,
-                    stride=ref.sharded.stride(),
+                    stride=ref.param.stride(),
                 )
-            existing = ref.sharded.grad
+            existing = ref.param.grad
             if not direct:
                 part = self.dbuf.local_view(output, ref.fqn)
                 if existing is None:
                     ref.sharded_grad._local_tensor.copy_(part)
                 else:
-                    existing._local_tensor.add_(part)
+                    cast(DTensor, existing)._local_tensor.add_(part)
             if direct or existing is None:
-                ref.sharded.grad = ref.sharded_grad
-            _run_post_accumulate_grad_hooks(ref.sharded)
+                ref.param.grad = ref.sharded_grad
+            _run_post_accumulate_grad_hooks(ref.param)
         return []
 
 

@@ -84,12 +84,13 @@ def clip_grad_norm_(
     # axes its tensor is sharded on (a whole buffer: the shard dim; FSDP x TP: tp and
     # the shard dim, or the shard dim alone for a tp-Replicate parameter; a replicated
     # plain tensor: none).
-    parts: dict[tuple, list[torch.Tensor]] = {}
+    parts: dict[tuple[dist.ProcessGroup, ...], list[torch.Tensor]] = {}
     for g in groups:
         parts.setdefault((g.process_group,), []).append(g.shard_grad)  # 1D, S elements
     for p in rest:
         grad = p.grad
-        key = ()
+        assert grad is not None  # params holds the tensors with a gradient
+        key: tuple[dist.ProcessGroup, ...] = ()
         if isinstance(grad, DTensor):
             mesh = grad.device_mesh
             key = tuple(
@@ -127,5 +128,6 @@ def clip_grad_norm_(
     for g in groups:
         g.shard_grad.mul_(coef.to(g.shard_grad.dtype))
     for p in rest:
+        assert p.grad is not None  # params holds the tensors with a gradient
         _local(p.grad).mul_(coef.to(p.grad.dtype))
     return total

@@ -24,6 +24,8 @@ names in a root mesh. It compares:
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
@@ -132,7 +134,10 @@ def _concat(meshes: list[DeviceMesh]) -> DeviceMesh:
                 "rank; each mesh must run along other ranks"
             )
         _COMPOSED[key] = DeviceMesh.from_group(
-            groups, meshes[0].device_type, mesh=grid, mesh_dim_names=tuple(names)
+            groups,
+            meshes[0].device_type,
+            mesh=grid,
+            mesh_dim_names=tuple(cast(list[str], names)),  # no None: replaced above
         )
     return _COMPOSED[key]
 

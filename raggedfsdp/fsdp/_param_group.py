@@ -4,13 +4,14 @@ collective each way."""
 from __future__ import annotations
 
 import functools
+from typing import cast
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 
 from raggedfsdp.fsdp._buffers import OWNER_ATTR, BufferView
-from raggedfsdp.fsdp._device import streams_for
+from raggedfsdp.fsdp._device import can_pin_memory, mesh_device, streams_for
 from raggedfsdp.fsdp._fp8 import Float8BlockAllGather, Fp8Layout
 from raggedfsdp.fsdp._grads import GradientPath, mark_got_grad
 from raggedfsdp.fsdp._hooks import reads_no_parameters
@@ -88,6 +89,14 @@ class ParamGroup(GradientPath):
         SHARDED_POST_FORWARD --unshard/wait--> UNSHARDED  (a gather over the smaller group)
         SHARDED_POST_FORWARD --reshard()--> SHARDED       (the kept piece is dropped)
 
+    Two are no-ops by contract, as FSDP2's are: ``unshard`` of an unsharded group (or
+    of one whose all-gather is in flight) and ``reshard`` of a sharded group (so
+    ``module.unshard()`` and ``module.reshard()`` may be called in any state). Every
+    other action names the states it starts from (``_expect``): ``wait_for_unshard``
+    with nothing in flight, ``prepare_grads`` and ``post_backward`` out of a backward,
+    ``Module._apply`` and ``load_state_dict(assign=True)`` on an unsharded group fail.
+    ``FSDPState`` checks the module's hooks the same way ([Note: training states]).
+
     Collectives in flight are records: ``PendingGather`` between ``unshard`` and
     ``wait_for_unshard``, ``PendingReduce`` between ``post_backward`` and
     ``finalize_grads``. Streams: see [Note: streams] in ``_device.py``.
@@ -156,9 +165,9 @@ class ParamGroup(GradientPath):
         self.offload = offload
         shard_device = None
         if offload and self.device.type != "meta":  # on meta until to_empty / a load
-            self.device = _mesh_device(mesh)
+            self.device = mesh_device(mesh)
             shard_device = torch.device("cpu")
-        self.pin_memory = offload and pin_memory and mesh.device_type != "cpu"
+        self.pin_memory = offload and pin_memory and can_pin_memory()  # [Note: the mesh's device]
         self.streams = streams_for(self.device)
         self.mp_policy = mp_policy
         self.compute_dtype = mp_policy.param_dtype or self.dtype
@@ -242,7 +251,7 @@ class ParamGroup(GradientPath):
         if ref.sharded is None:
             ref.sharded = nn.Parameter(dt, requires_grad=ref.requires_grad)
         else:  # re-point an existing parameter (after to_empty / _apply), keeping its identity
-            ref.sharded._local_tensor = dt._local_tensor
+            cast(DTensor, ref.sharded)._local_tensor = dt._local_tensor
         setattr(ref.sharded, OWNER_ATTR, (self, self.refs.index(ref)))
 
     def reset_after_apply(self) -> None:
@@ -252,7 +261,7 @@ class ParamGroup(GradientPath):
         storage on its device and make the parameters views again.
         """
         self._expect("Module._apply (to, to_empty)", ShardedState.SHARDED)
-        current = {ref.fqn: ref.uses[0][0]._parameters[ref.uses[0][1]] for ref in self.refs}
+        current = {ref.fqn: _held(ref) for ref in self.refs}
         first = next(iter(current.values()))
         local0 = first._local_tensor if isinstance(first, DTensor) else first
         shard_device = torch.device("cpu") if self.offload else local0.device
@@ -265,7 +274,7 @@ class ParamGroup(GradientPath):
         if views and (shard_device, local0.dtype) == (self.dbuf.shard.device, self.dtype):
             return
         self.unloaded = {}  # every parameter now holds what _apply gave it
-        self.device = _mesh_device(self.mesh) if self.offload else local0.device
+        self.device = mesh_device(self.mesh) if self.offload else local0.device
         self.dtype = local0.dtype
         self.streams = streams_for(self.device)
         self.compute_dtype = self.mp_policy.param_dtype or self.dtype
@@ -280,7 +289,7 @@ class ParamGroup(GradientPath):
                 ref.sharded = None  # _apply made a new Parameter: adopt a fresh one
             self._make_sharded(ref)
             ref.unsharded, ref.sharded_grad = None, None
-            ref.register(ref.sharded)
+            ref.register(ref.param)
 
     def adopt_assigned(self, prefix: str = "") -> None:
         """Adopt what ``load_state_dict(..., assign=True)`` put in the modules' place.
@@ -306,7 +315,7 @@ class ParamGroup(GradientPath):
             ValueError: an assigned tensor of another dtype, mesh or placement, or of a kind
                 that is neither (the parameter named, with the fix).
         """
-        current = {ref.fqn: ref.uses[0][0]._parameters[ref.uses[0][1]] for ref in self.refs}
+        current = {ref.fqn: _held(ref) for ref in self.refs}
         assigned = [ref for ref in self.refs if current[ref.fqn] is not ref.sharded]
         if not assigned:
             if self.dbuf.shard.is_meta:  # a load that left the group on meta: name them
@@ -324,14 +333,14 @@ class ParamGroup(GradientPath):
                 )
         except ValueError:
             for ref in assigned:  # the modules hold the sharded parameters as before
-                ref.register(ref.sharded)
+                ref.register(ref.param)
             raise
         old = self.dbuf
         shard_device = old.shard.device
         if devices:
             device = devices.pop()
             shard_device = torch.device("cpu") if self.offload else device
-            self.device = _mesh_device(self.mesh) if self.offload else device
+            self.device = mesh_device(self.mesh) if self.offload else device
         rebuild = shard_device != old.shard.device
         if rebuild:  # a new shard storage on the new device; see [Note: assigned parameters]
             self.streams = streams_for(self.device)
@@ -353,7 +362,7 @@ class ParamGroup(GradientPath):
             ref.sharded = new if adopt else (ref.sharded if piece is None else None)
             self._make_sharded(ref)
             self._forget_unsharded(ref)
-            ref.register(ref.sharded)
+            ref.register(ref.param)
         self.unloaded = {r.fqn: unloaded[r.fqn] for r in self.refs if r.fqn in unloaded}
 
     def _assigned_piece(self, ref: ParamRef, new: torch.Tensor, prefix: str) -> torch.Tensor:
@@ -386,6 +395,7 @@ class ParamGroup(GradientPath):
                     f"and was assigned a plain tensor; expected a DTensor with placements "
                     f"{placements} on {mesh}: {fix}"
                 )
+            assert ref.placement is not None  # set by __init__
             return ref.placement.local_view(new.detach().contiguous(), self.rank)
         raise ValueError(
             f"load_state_dict(assign=True): parameter {name!r} was assigned a "
@@ -398,7 +408,7 @@ class ParamGroup(GradientPath):
     def unshard(self, async_op: bool = False) -> None:
         """Start (or do) the all-gather of the global storage; ``wait_for_unshard`` ends it."""
         if self.state is ShardedState.UNSHARDED or self._gather is not None:
-            return
+            return  # a no-op by contract: see [Note: group states]
         if self._grads_hold_params:  # a reduce-scatter still reads the storage
             self.wait_reduce()
         if self.device.type == "meta" or self.unloaded:
@@ -418,6 +428,7 @@ class ParamGroup(GradientPath):
         with self.streams.gathering():  # see [Note: streams]
             if self.state is ShardedState.SHARDED_POST_FORWARD:  # a smaller gather
                 out, inp = self.dbuf.global_params.alloc(), self._post_forward_piece
+                assert inp is not None and self.post_forward_group is not None  # kept by reshard
                 pg = self.post_forward_group.process_group
                 work = all_gather_single(out, inp, group=pg, async_op=True)
             elif self.subclass is not None:  # see [Note: tensor-subclass all-gather]
@@ -446,17 +457,19 @@ class ParamGroup(GradientPath):
         gather, self._gather = self._gather, None
         gather.work.wait()
         if self.subclass is not None:  # the copy-out into the outputs
+            assert gather.received is not None  # SubclassGather.start returned it
             self.subclass.finish(gather.received)
         elif gather.received is not None:  # FP8: decode into the compute-dtype storage
+            assert self.fp8 is not None  # only an FP8 gather receives codes
             self.fp8.dequantize(gather.received, self.dbuf.global_params.alloc())
         torch._C._autograd._unsafe_set_version_counter(
             (self.dbuf.global_params.tensor,), (gather.version,)
         )  # see [Note: version counter]
         self._post_forward_piece = None
         for ref in self.refs:
-            if ref.requires_grad != ref.sharded.requires_grad:  # frozen / unfrozen since
+            if ref.requires_grad != ref.param.requires_grad:  # frozen / unfrozen since
                 self._forget_unsharded(ref)
-                ref.requires_grad = ref.sharded.requires_grad
+                ref.requires_grad = ref.param.requires_grad
             value = None if self.subclass is None else self.subclass.post_all_gather(ref)
             if ref.unsharded is None:
                 view = self.dbuf.global_view(ref.fqn) if value is None else value
@@ -493,8 +506,9 @@ class ParamGroup(GradientPath):
         """
         if self._gather is not None:
             self.wait_for_unshard()
-        if self.state is not ShardedState.UNSHARDED:
-            self._post_forward_piece = None  # a piece kept after forward is not needed now
+        if self.state is not ShardedState.UNSHARDED:  # see [Note: group states]
+            # SHARDED: a no-op by contract; SHARDED_POST_FORWARD: drop the kept piece
+            self._post_forward_piece = None
             self.state = ShardedState.SHARDED
             return
         # A subclass buffer reshards fully (FSDP2 refuses reshard_after_forward=int for it).
@@ -509,13 +523,11 @@ class ParamGroup(GradientPath):
                 self.subclass.free()
         self.streams.resharded()
         for ref in self.refs:
-            ref.register(ref.sharded)
+            ref.register(ref.param)
         self.state = ShardedState.SHARDED if keep is None else ShardedState.SHARDED_POST_FORWARD
 
 
-def _mesh_device(mesh) -> torch.device:
-    """The compute device of ``mesh`` (this process's accelerator, or the CPU)."""
-    kind = mesh.device_type
-    if kind == "cpu":
-        return torch.device(kind)
-    return torch.device(kind, torch.accelerator.current_device_index())
+def _held(ref: ParamRef) -> nn.Parameter:
+    """The parameter ``ref``'s first module holds (``register`` put it there, or a load)."""
+    module, name = ref.uses[0]
+    return cast(nn.Parameter, module._parameters[name])

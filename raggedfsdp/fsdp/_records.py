@@ -65,6 +65,13 @@ class ParamRef:
     assigned_grad: torch.Tensor | None = None  # the unsharded .grad we set (a storage view)
     hooks: list = field(default_factory=list)
 
+    @property
+    def param(self) -> nn.Parameter:
+        """``sharded``, which the group sets when it is built (None only while it remakes it)."""
+        if self.sharded is None:
+            raise AssertionError(f"parameter {self.fqn!r} has no sharded parameter")
+        return self.sharded
+
     def register(self, param: nn.Parameter) -> None:
         for module, name in self.uses:
             module._parameters[name] = param

@@ -275,6 +275,7 @@ class FSDPState:
         self.training_state = to
 
     def _next_in_order(self, step: int) -> FSDPState | None:
+        assert self.root is not None  # set by _lazy_init, before the first forward
         order = self.root._forward_order
         if self.root._recording or self not in order:
             return None
@@ -304,6 +305,7 @@ class FSDPState:
                 s._post_forward_indices = []
             self._post_forward_order = []
         root = self.root
+        assert root is not None  # set by _lazy_init above
         if root._recording and self not in root._forward_order:
             root._forward_order.append(self)
         elif self.is_root:
@@ -311,12 +313,13 @@ class FSDPState:
         self._enter("pre_forward")
         if self.group is not None:
             self.group.release_dropped_grads()
-            if self.root.post_optim_event is not None:
-                self.group.streams.wait_event(self.root.post_optim_event)
-                self.root.post_optim_event = None
+            if root.post_optim_event is not None:
+                self.group.streams.wait_event(root.post_optim_event)
+                root.post_optim_event = None
             self.group.unshard()
             self.group.wait_for_unshard()
         for nxt in self._prefetch_targets(forward=True):
+            assert nxt.group is not None  # _prefetch_targets keeps states with a group
             nxt.group.unshard(async_op=True)
 
     def _rerun_in_backward(self, args, kwargs):
@@ -387,6 +390,7 @@ class FSDPState:
         if not self._post_forward_indices:
             return []
         index = self._post_forward_indices.pop()
+        assert self.root is not None  # a post-forward ran under it
         target = self.root._post_forward_order[index - 1] if index > 0 else None
         return [target] if target is not None and target is not self else []
 
@@ -458,6 +462,7 @@ class FSDPState:
         if self._pending_post_backward == 0 and self.group is not None:
             if self.group.needs_post_backward:
                 self._enter("post_backward")
+                assert self.root is not None  # set by _lazy_init, before the first forward
                 self.root._wait_earlier_reduces(self)
                 self.group.post_backward(reshard=self.reshard_after_backward)
                 self.root._reduce_order.append(self)
@@ -478,7 +483,9 @@ class FSDPState:
         """Keep at most ``max_reduces_in_flight`` (of the group about to reduce) reduce-
         scatters in flight: finish the oldest and free their unsharded gradients, so a
         backward never holds every group's at once."""
-        in_flight = [s.group for s in self._reduce_order if s.group.reduce_in_flight]
+        in_flight = [
+            s.group for s in self._reduce_order if s.group is not None and s.group.reduce_in_flight
+        ]  # a state with a group is all _reduce_order holds
         for group in in_flight[: max(0, len(in_flight) - starting.max_reduces_in_flight + 1)]:
             group.wait_reduce()
 
@@ -631,4 +638,5 @@ def _post_forward_group(mesh, size: int) -> PostForwardGroup:
         pg = new_group_like(members, mesh.get_group(0))  # every rank makes every group
         if dist.get_rank() in members:
             mine = PostForwardGroup(pg, members.index(dist.get_rank()), size)
+    assert mine is not None  # the groups cover every rank of the mesh
     return mine

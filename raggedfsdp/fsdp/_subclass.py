@@ -57,17 +57,19 @@ from __future__ import annotations
 import inspect
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPolicy
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+from torch.utils._python_dispatch import TraceableWrapperSubclass, is_traceable_wrapper_subclass
 
 from raggedfsdp.fsdp._mesh import shard_mesh
 from raggedfsdp.tensor.collectives import all_gather_single
 
 if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
+
     from raggedfsdp.fsdp._param_group import ParamGroup, ParamRef
 
 __all__ = ["SubclassGather", "subclass_params", "values_of"]
@@ -91,7 +93,9 @@ def values_of(t: torch.Tensor) -> torch.Tensor:
     that ``subclass_params`` accepted."""
     if _is_plain(t):
         return t.detach()
-    names, _ = t.__tensor_flatten__()  # torchao's adds a precomputed scale after the first
+    names, _ = cast(
+        TraceableWrapperSubclass, t
+    ).__tensor_flatten__()  # torchao's adds a precomputed scale after the first
     return getattr(t, names[0]).detach()
 
 
@@ -139,7 +143,7 @@ def _pre_all_gather_args(t: torch.Tensor, what: str) -> int:
     return n
 
 
-def _check_supported(ref, local, spec, what: str, fp8: bool, offload: bool) -> None:
+def _check_supported(ref, local: torch.Tensor, spec, what: str, fp8: bool, offload: bool) -> None:
     if ref.tp is not None:
         raise NotImplementedError(
             f"{what} inside a tensor-parallel DTensor; the all-gather protocol under FSDP x TP "
@@ -201,7 +205,7 @@ class _Entry:
     ref: ParamRef
     inner_name: str
     ctx: Any  # __tensor_flatten__'s context
-    cls: type
+    cls: type[TraceableWrapperSubclass]
     module: nn.Module  # the module holding it (FSDP2 passes the same)
     args: int  # fsdp_pre_all_gather's argument count (5, or 1)
     rows: tuple[int, ...] = ()  # rows each rank holds (from the layout, at the first gather)
@@ -293,7 +297,7 @@ class SubclassGather:
         return work, send, received
 
     def _pre_all_gather(self, e: _Entry):
-        local = e.ref.sharded._local_tensor
+        local = cast("DTensor", e.ref.param)._local_tensor
         try:
             if e.args == 1:
                 return getattr(local, _PRE)(self.shard_mesh)
@@ -375,7 +379,7 @@ class SubclassGather:
         """``fsdp_post_all_gather`` of ``ref``: its new unsharded value (``as_strided`` to
         its shape) when the module holds none yet, else None (``out=`` refilled it)."""
         e = self.entries[ref.fqn]
-        local = ref.sharded._local_tensor
+        local = cast("DTensor", ref.param)._local_tensor
         outputs, metadata, e.metadata = tuple(e.outputs), e.metadata, None
         if ref.unsharded is not None:
             getattr(local, _POST)(outputs, metadata, self.param_dtype, out=ref.unsharded)

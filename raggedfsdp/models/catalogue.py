@@ -22,6 +22,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Literal
 
+from raggedfsdp.planner import TensorSpec, with_block_rows
+
 
 @dataclass(frozen=True, kw_only=True)
 class ParamShape:
@@ -62,6 +64,16 @@ class GroupShapes:
     @property
     def numel(self) -> int:
         return sum(p.numel for p in self.params)
+
+    def specs(self, block_rows: int | Literal["whole"]) -> list[TensorSpec]:
+        """The planner's view of the group: a ``TensorSpec`` per parameter, its block
+        ``block_rows`` rows (or whole), unless the parameter names its own block."""
+        return [
+            TensorSpec(name=p.fqn, shape=p.shape, block_rows=p.block_rows, stack=p.stack)
+            if p.block_rows is not None  # the parameter's own block: strict
+            else with_block_rows(TensorSpec(name=p.fqn, shape=p.shape, stack=p.stack), block_rows)
+            for p in self.params
+        ]
 
 
 @dataclass(frozen=True, kw_only=True)

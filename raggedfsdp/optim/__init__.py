@@ -3,12 +3,15 @@
 from raggedfsdp.optim.adamw import AdamW
 from raggedfsdp.optim.adamw8bit import AdamW8bit, adamw8bit_block_policy
 from raggedfsdp.optim.muon import Muon, muon_block_policy, muon_param_groups
+from raggedfsdp.optim.shampoo import Shampoo, shampoo_block_policy
 
 __all__ = [
     "AdamW",
     "AdamW8bit",
     "Muon",
+    "Shampoo",
     "adamw8bit_block_policy",
     "muon_block_policy",
     "muon_param_groups",
+    "shampoo_block_policy",
 ]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any, cast
 
 from torch import Tensor, nn
 from torch.utils.weak import WeakIdKeyDictionary
@@ -58,7 +59,8 @@ def muon_param_groups(
         ``[{"params": [...], "use_muon": True}, {"params": [...], "use_muon": False, ...}]``
         (empty groups left out), for ``Muon``.
     """
-    muon, other = [], []
+    muon: list[nn.Parameter] = []
+    other: list[nn.Parameter] = []
     for name, p in model.named_parameters():
         if p.requires_grad:
             (muon if use_muon(name, p) else other).append(p)
@@ -156,7 +158,8 @@ def muon_block_policy(
         A ``MuonBlockPolicy`` to pass as ``fully_shard(..., block_policy=policy)``.
     """
     if modules is None:
-        blocks = model.transformer_blocks() if hasattr(model, "transformer_blocks") else []
+        has_blocks = hasattr(model, "transformer_blocks")  # raggedfsdp's models define it
+        blocks = cast(Any, model).transformer_blocks() if has_blocks else []
         modules = [*blocks, model]
     base = BlockPolicy(rows=rows)
     full_names = {id(p): n for n, p in model.named_parameters()}

@@ -76,6 +76,7 @@ class FlatAdamW(FlatOptimizer):
         state = self.state[p]
         lr, (beta1, beta2) = h["lr"], h["betas"]
         exp_avg, exp_avg_sq = local(state["exp_avg"]), local(state["exp_avg_sq"])
+        assert p.grad is not None  # stepped only with a gradient
         _adam_math(local(p), local(p.grad), exp_avg, exp_avg_sq, step, lr, beta1, beta2, h["eps"])
 
 

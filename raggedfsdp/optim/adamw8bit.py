@@ -226,6 +226,7 @@ class _ParamQuant:
         parameter), else its RaggedShard made one over the 1-D scales."""
         out = list(placements)
         if self.ragged_dim is not None and self.grid is None:
+            assert self.scale_units is not None  # set with ragged_dim (a RaggedShard)
             out[self.ragged_dim] = RaggedShard(dims=(0,), local_units=self.scale_units)
         return out
 
@@ -269,7 +270,7 @@ def _param_quant(name: str, p: torch.Tensor, block: int) -> _ParamQuant:
     piece_shape, cuts, rank, dim, on = shape, None, 0, None, ""
     if isinstance(p, DTensor):
         placements, mesh = tuple(p.placements), p.device_mesh
-        names = mesh.mesh_dim_names or tuple(range(mesh.ndim))
+        names: tuple[str | int, ...] = mesh.mesh_dim_names or tuple(range(mesh.ndim))
         tp = [(i, q) for i, q in enumerate(placements) if type(q) is Shard]
         try:
             found = ragged_axis(placements)
@@ -344,16 +345,23 @@ def _scales_like(scales: torch.Tensor, p: torch.Tensor, pq: _ParamQuant) -> torc
     shape = pq.grid or (pq.n_scales,)
     stride = tuple(math.prod(shape[d + 1 :]) for d in range(len(shape)))
     placements = pq.scale_placements(tuple(p.placements))
-    return DTensor.from_local(scales, p.device_mesh, placements, shape=shape, stride=stride)
+    # torch's stub says torch.Size; from_local takes any tuple of ints
+    return DTensor.from_local(
+        scales,
+        p.device_mesh,
+        placements,
+        shape=shape,  # type: ignore[arg-type]
+        stride=stride,
+    )
 
 
 # ---- flat state of one fully_shard buffer ----------------------------------------------------
 @dataclass(eq=False)
 class _FlatState:
-    codes: tuple[torch.Tensor, torch.Tensor]  # uint8, 1D, S elements each
-    scales: tuple[torch.Tensor, torch.Tensor]  # fp32, one per block of `blocks`
+    codes: tuple[torch.Tensor, ...]  # (m, v): uint8, 1D, S elements each
+    scales: tuple[torch.Tensor, ...]  # (m, v): fp32, one per block of `blocks`
     blocks: Blocks  # the shard storage cut into quantization blocks and gaps
-    small: tuple[torch.Tensor, torch.Tensor]  # fp32 moments of the fp32-state parameters
+    small: tuple[torch.Tensor, ...]  # (m, v): fp32 moments of the fp32-state parameters
     small_index: torch.Tensor  # int64: their elements in the shard storage
     scale_ranges: dict[str, tuple[int, int]] = field(default_factory=dict)  # fqn -> scales
     small_ranges: dict[str, tuple[int, int]] = field(default_factory=dict)  # fqn -> small
@@ -416,7 +424,8 @@ class AdamW8bit(FlatOptimizer):
             return fs
         mine = {id(p) for g in self.param_groups for p in g["params"]}
         S, layout, device = buf.layout.shard_size, buf.layout, shard.device
-        lengths, small_index = [], []
+        lengths: list[int] = []
+        small_index: list[torch.Tensor] = []
         scale_ranges, small_ranges, quant = {}, {}, {}
         pos = n_small = 0
         for s in sorted(buf.params, key=lambda s: layout[s.fqn].offset):
@@ -546,6 +555,7 @@ class AdamW8bit(FlatOptimizer):
     def _step_param(self, p: torch.Tensor, h: dict, step: float) -> None:
         state = self.state[p]
         lr, (beta1, beta2), eps = h["lr"], h["betas"], h["eps"]
+        assert p.grad is not None  # stepped only with a gradient
         grad = local(p.grad).reshape(-1).float()
         if "exp_avg" in state:
             # the states are contiguous (a view: written in place); only param may be gapped

@@ -54,7 +54,9 @@ __all__ = [
     "decay_runs",
     "like_param",
     "local",
+    "name_of",
     "partition_by_buffer",
+    "split_by_flag",
     "why_not_whole",
 ]
 
@@ -345,3 +347,45 @@ class FlatOptimizer(torch.optim.Optimizer):
         for key, value in fresh.items():
             if key != "step":
                 local(value).copy_(local(loaded[key]))
+
+
+def name_of(p: Tensor, fallback: str) -> str:
+    """The fully qualified name of sharded parameter ``p`` (``fallback`` for another tensor)."""
+    found = buffer_of(p)
+    return found[1].fqn if found is not None else fallback
+
+
+def split_by_flag(
+    optimizer: torch.optim.Optimizer,
+    param_group: Mapping[str, Any],
+    flag: str,
+    predicate: Callable[[str, Tensor], bool],
+    who: str,
+) -> dict | None:
+    """A parameter group of an optimizer whose parameters take one of two updates (Muon's
+    and Shampoo's matrices, or their AdamW part), chosen by the group's boolean ``flag``.
+
+    Returns:
+        The group, its ``params`` a list, when it has ``flag``; None when it had none:
+        then it was split by ``predicate(name, param)`` into a group per value of the
+        flag, each added through ``optimizer.add_param_group``.
+
+    Raises:
+        ValueError: a group with no parameters.
+    """
+    group = dict(param_group)
+    params = group["params"]
+    params = [params] if isinstance(params, Tensor) else list(params)
+    if flag in group:
+        group["params"] = params
+        return group
+    first = len(optimizer.param_groups)
+    split: dict[bool, list[Tensor]] = {True: [], False: []}
+    for p in params:
+        split[bool(predicate(name_of(p, ""), p))].append(p)
+    for value in (True, False):
+        if split[value]:
+            optimizer.add_param_group({**group, "params": split[value], flag: value})
+    if len(optimizer.param_groups) == first:
+        raise ValueError(f"{who}: a parameter group has no parameters")
+    return None

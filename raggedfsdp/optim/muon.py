@@ -78,13 +78,13 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from raggedfsdp.fsdp import buffer_of
 from raggedfsdp.optim._muon_policy import (
     MuonBlockPolicy,
     default_use_muon,
@@ -92,7 +92,7 @@ from raggedfsdp.optim._muon_policy import (
     muon_param_groups,
 )
 from raggedfsdp.optim.adamw import FlatAdamW
-from raggedfsdp.optim.flat import Item, check_hyper, like_param, local
+from raggedfsdp.optim.flat import Item, check_hyper, like_param, local, name_of, split_by_flag
 from raggedfsdp.optim.muon_plan import (
     Exchange,
     StepPlan,
@@ -176,11 +176,6 @@ def adjust_lr(lr: float, adjust_lr_fn: str | None, rows: int, cols: int) -> floa
     else:
         ratio = 1.0
     return lr * ratio
-
-
-def _name_of(p: Tensor, fallback: str) -> str:
-    found = buffer_of(p)
-    return found[1].fqn if found is not None else fallback
 
 
 @dataclass
@@ -318,28 +313,17 @@ class Muon(FlatAdamW):
     # ---- groups ---------------------------------------------------------------------------
     def add_param_group(self, param_group: dict) -> None:
         """Add a group; one without ``use_muon`` is split by the ``use_muon`` predicate."""
-        group = dict(param_group)
-        params = group["params"]
-        params = [params] if isinstance(params, Tensor) else list(params)
-        if "use_muon" not in group:
-            first = len(self.param_groups)
-            split = {True: [], False: []}
-            for p in params:
-                split[bool(self._use_muon(_name_of(p, ""), p))].append(p)
-            for flag in (True, False):
-                if split[flag]:
-                    self.add_param_group({**group, "params": split[flag], "use_muon": flag})
-            if len(self.param_groups) == first:
-                raise ValueError("Muon: a parameter group has no parameters")
+        group = split_by_flag(self, param_group, "use_muon", self._use_muon, "Muon")
+        if group is None:  # split by self._use_muon, each part added
             return
-        group["params"] = params
+        params = group["params"]
         muon = bool(group["use_muon"])
         for k, v in (self.defaults if muon else self._adamw_defaults).items():
             group.setdefault(k, v)
         _check_hyper(group, muon)
         if muon:
             named = [
-                (_name_of(p, f"#{i} of group {gi}"), p)
+                (name_of(p, f"#{i} of group {gi}"), p)
                 for gi, g in enumerate([*self.param_groups, group])
                 if g["use_muon"]
                 for i, p in enumerate(g["params"])
@@ -358,7 +342,7 @@ class Muon(FlatAdamW):
         for p, _ in items:
             if torch.is_complex(p):
                 raise NotImplementedError(
-                    f"Muon: parameter {_name_of(p, '?')!r} is complex; Muon and this "
+                    f"Muon: parameter {name_of(p, '?')!r} is complex; Muon and this "
                     "AdamW support real parameters only"
                 )
         self._step_flat([(p, g) for p, g in items if not g["use_muon"]])
@@ -376,6 +360,7 @@ class Muon(FlatAdamW):
             if "momentum_buffer" not in state:
                 zeros = torch.zeros_like(local(p), memory_format=torch.preserve_format)
                 state["momentum_buffer"] = like_param(zeros, p)
+            assert p.grad is not None  # stepped only with a gradient
             buf, grad = local(state["momentum_buffer"]), local(p.grad)
             buf.lerp_(grad, 1 - h["momentum"])
             update = grad.lerp(buf, h["momentum"]) if h["nesterov"] else buf
@@ -414,7 +399,12 @@ class Muon(FlatAdamW):
         world, me = piece.rs.world_size, piece.coord
         key = (
             tuple(
-                (id(e.param), e.param.placements, tuple(e.param.shape), e.hyper["ns_steps"])
+                (
+                    id(e.param),
+                    cast(DTensor, e.param).placements,
+                    tuple(e.param.shape),
+                    e.hyper["ns_steps"],
+                )
                 for e in sharded
             ),  # fmt: skip
             self.distributed,
@@ -500,7 +490,8 @@ class _ShardGroupStep:
         out = self.muon._ns(matrix, h)
         stats.ns_seconds += time.perf_counter() - t0
         stats.ns_cpu_seconds += time.thread_time() - c0
-        stats.ns_flops += ns_flops(*matrix.shape, h["ns_steps"])
+        rows, cols = matrix.shape  # a 2-D matrix
+        stats.ns_flops += ns_flops(rows, cols, h["ns_steps"])
         stats.rooted += 1
         return out
 
@@ -526,6 +517,7 @@ class _ShardGroupStep:
     def tp_exchange(self, parts: list[list[Tensor]], sizes: list[list[int]]) -> list[list[Tensor]]:
         """One all-to-all over tp: ``parts[r]`` go to tp rank r; ``sizes[r]`` are the
         pieces from r. Returns the received pieces, by rank."""
+        assert self.tp is not None  # called only for matrices cut by tp
         send = self.cat([x for row in parts for x in row])
         splits = [sum(s) for s in sizes]
         _, recv = self.all_to_all(
@@ -550,6 +542,7 @@ class _ShardGroupStep:
         cut = [(i, x) for i, x in batch if self.tp_cut(i) is not None]
         if not cut:
             return out
+        assert self.tp is not None  # some matrix is cut by tp
         size, t = self.tp.tp_size, self.tp.tp_rank
         roots = {}
         for i, _ in sorted(cut, key=lambda e: (-ns_flops(*self.whole_shape(e[0]), 1), e[0])):
@@ -563,7 +556,9 @@ class _ShardGroupStep:
         )
         chunks = []
         for k, (i, x) in enumerate(mine):
-            dim = self.tp_cut(i).member_dim
+            tp_cut = self.tp_cut(i)
+            assert tp_cut is not None  # mine holds matrices cut by tp
+            dim = tp_cut.member_dim
             pieces = [(x if r == t else got[r][k]).view(matrices[i].shape) for r in range(size)]
             chunks.append(self.ns(i, torch.cat(pieces, dim=dim)).chunk(size, dim=dim))
         back = self.tp_exchange(
@@ -645,6 +640,7 @@ class _ShardGroupStep:
             for i, out in self.solve(own).items():
                 self.apply_piece(i, out)
         for rnd, (work, recv, _send) in scatters:
+            assert rnd.scatter is not None  # scatters holds rounds with one
             self.wait(work)
             for (i, _), part in _split(recv, rnd.scatter.recv, matrices).items():
                 self.apply_piece(i, part)
@@ -722,7 +718,7 @@ def _cut_of(p: Tensor) -> _Cut | None:
         return None
     mesh, placements = p.device_mesh, tuple(p.placements)
     piece = ragged_piece(tuple(p.shape), mesh, placements)
-    cut = dict(tp_axis=None, member_dim=0, tp_group=None, tp_size=1, tp_rank=0)
+    cut: dict[str, Any] = dict(tp_axis=None, member_dim=0, tp_group=None, tp_size=1, tp_rank=0)
     for axis, q in enumerate(placements[: piece.axis]):
         if type(q) is Shard and not (p.dim() == 3 and q.dim == 0):  # Shard(0): whole experts
             cut = dict(
@@ -753,7 +749,7 @@ def _one_tp_group(named: Sequence[tuple[str, Tensor]]) -> None:
 
 
 def _check_muon_param(p: Tensor, fallback: str, distributed: str) -> None:
-    name = _name_of(p, fallback)
+    name = name_of(p, fallback)
     if p.dim() not in (2, 3):
         raise ValueError(
             f"Muon: parameter {name!r} has shape {tuple(p.shape)}; a Muon parameter must be a "
@@ -788,14 +784,14 @@ def _check_muon_param(p: Tensor, fallback: str, distributed: str) -> None:
             f"{where}: cut by {len(cuts)} Shard axes before fully_shard's; Muon gathers a "
             "matrix across one tensor- or expert-parallel axis: parallelize on one mesh axis"
         )
-    if cuts and distributed == "replicated" and _cut_of(p).tp_axis is not None:
+    cut = _cut_of(p) if cuts else None  # not None with cuts: p is RaggedShard-placed
+    if cut is not None and distributed == "replicated" and cut.tp_axis is not None:
         raise NotImplementedError(
             f"{where}: a tensor-parallel matrix, which distributed='replicated' (the "
             "baseline) does not gather across tp; use distributed='root'"
         )
-    cut = _cut_of(p) if cuts else None
     if cut is not None and cut.tp_axis is not None:
-        dim = placements[cut.tp_axis].dim
+        dim = cast(Shard, placements[cut.tp_axis]).dim
         if p.shape[dim] % cut.tp_size:
             # The tp stage exchanges equal pieces, and each tp rank plans its own piece's
             # rows over the shard dim: uneven pieces would give the tp ranks other plans.

@@ -286,7 +286,7 @@ def plan_buffers(
     specs = tuple(tensors)
     kw = dict(dtype=dtype, alignment_bytes=alignment_bytes, member_gaps=member_gaps)
     single = plan_buffer(specs, world_size, **kw)  # checks every input
-    done = dict(alpha_bytes=alpha, max_buffers=max_buffers)
+    done: dict[str, Any] = dict(alpha_bytes=alpha, max_buffers=max_buffers)
     if max_buffers == 1 or len(specs) == 1:
         lb = single.lower_bound_padding
         return MultiPlan((single,), single, lb, lb, **done)

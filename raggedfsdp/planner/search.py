@@ -349,7 +349,7 @@ def _improve(
     if n < 2:
         return None
     budget = _IMPROVE_RUNS_PER_GROUP // n
-    sizes = []
+    sizes: list[int] = []
     S = best_S - a
     while S >= lb and len(sizes) < _IMPROVE_SIZES:
         if next_admissible(S, runs, a) == S:

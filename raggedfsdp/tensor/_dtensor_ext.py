@@ -48,8 +48,8 @@ import math
 import os
 import types
 import warnings
-from collections.abc import Sequence
-from typing import NamedTuple
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -145,10 +145,23 @@ class RaggedPiece(NamedTuple):
         return self.rs.local_view(self.chunk(full).contiguous(), self.coord)
 
 
+def _ragged_axis_of(placements: Sequence) -> tuple[int, RaggedShard]:
+    """``ragged_axis`` of placements that hold a RaggedShard."""
+    found = ragged_axis(placements)
+    assert found is not None, f"no RaggedShard in {placements}"
+    return found
+
+
+def _meta(spec: DTensorSpec) -> TensorMeta:
+    """``spec``'s tensor meta (sharding propagation sets it on every argument)."""
+    assert spec.tensor_meta is not None
+    return spec.tensor_meta
+
+
 def ragged_piece(global_shape: Sequence[int], mesh, placements: Sequence) -> RaggedPiece:
     """The RaggedShard of ``placements`` and the piece of ``global_shape`` it cuts (a
     Shard axis that splits its dim unevenly leaves each rank torch.chunk's piece)."""
-    axis, rs = ragged_axis(placements)
+    axis, rs = _ragged_axis_of(placements)
     shape, offset = list(global_shape), [0] * len(global_shape)
     for i, p in enumerate(placements[:axis]):
         if p.is_replicate():
@@ -181,8 +194,9 @@ _orig_from_local = DTensor.from_local
 
 
 # A copy of torch's function: install() rewrites the original's code (see there).
-def _copy_of(fn: types.FunctionType) -> types.FunctionType:
+def _copy_of(fn: Callable[..., Any]) -> types.FunctionType:
     """A new function object with ``fn``'s code, before install() rewrites ``fn``'s."""
+    assert isinstance(fn, types.FunctionType)  # a Python function of torch's
     copy = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__)
     copy.__kwdefaults__ = fn.__kwdefaults__
     return copy
@@ -271,7 +285,8 @@ def _element_ranges(placement, shape: Sequence[int], world: int) -> list[tuple[i
     """Per rank, the ``[start, end)`` elements of the row-major tensor it holds."""
     if isinstance(placement, RaggedShard):
         row = placement.row_numel(shape)
-        return [tuple(x * row for x in placement.local_row_range(shape, r)) for r in range(world)]
+        row_ranges = (placement.local_row_range(shape, r) for r in range(world))
+        return [(start * row, end * row) for start, end in row_ranges]
     if isinstance(placement, Shard) and placement.dim == 0:
         row = math.prod(shape[1:])
         ranges = []
@@ -497,9 +512,7 @@ def _schema_is_ragged(op_schema: OpSchema) -> bool:
 
 
 def _is_scalar_like(spec: DTensorSpec) -> bool:
-    return spec.tensor_meta.shape == torch.Size([]) and all(
-        p.is_replicate() for p in spec.placements
-    )
+    return _meta(spec).shape == torch.Size([]) and all(p.is_replicate() for p in spec.placements)
 
 
 def _elementwise_columns(op_schema: OpSchema) -> list[list[DTensorSpec]]:
@@ -527,7 +540,7 @@ def _column_placements(op, column: list[DTensorSpec]):
         return column[0].placements
     first = next((s for s in main if _is_ragged(s)), main[0])
     for s in main:
-        same = s.placements == first.placements and s.tensor_meta.shape == first.tensor_meta.shape
+        same = s.placements == first.placements and _meta(s).shape == _meta(first).shape
         if not (same or _broadcasts_by_rows(s, first)):
             raise NotImplementedError(
                 f"{op}: a RaggedShard DTensor meets a DTensor of another layout "
@@ -549,7 +562,7 @@ def _broadcasts_by_rows(spec: DTensorSpec, ragged: DTensorSpec) -> bool:
     if found is None or spec.mesh != ragged.mesh:
         return False
     k = len(found[1].dims)
-    shape, rows = spec.tensor_meta.shape, ragged.tensor_meta.shape
+    shape, rows = _meta(spec).shape, _meta(ragged).shape
     if spec.placements == ragged.placements:
         return _same_rows(shape, ragged)
     return all(p.is_replicate() for p in spec.placements) and len(shape) <= len(rows) - k
@@ -558,8 +571,8 @@ def _broadcasts_by_rows(spec: DTensorSpec, ragged: DTensorSpec) -> bool:
 def _same_rows(shape, ragged: DTensorSpec) -> bool:
     """Whether a tensor of ``shape`` has the row dims of the RaggedShard ``ragged`` (and its
     number of dims), so that the RaggedShard cuts it into the same rows."""
-    k = len(ragged_axis(ragged.placements)[1].dims)
-    rows = ragged.tensor_meta.shape
+    k = len(_ragged_axis_of(ragged.placements)[1].dims)
+    rows = _meta(ragged).shape
     return len(shape) == len(rows) and shape[:k] == rows[:k]
 
 
@@ -625,9 +638,9 @@ def _ragged_output_sharding(prop, op_schema: OpSchema) -> OutputSharding:
     if op in _ROW_REDUCTIONS:  # see [Note: row-wise ops]
         return _row_reduction(op_schema, out_meta, spec)
     if op in _ROW_VIEWS:
-        out = _row_view(op_schema, out_meta, spec)
-        if out is not None:
-            return out
+        view = _row_view(op_schema, out_meta, spec)
+        if view is not None:
+            return view
     if op in _GATHERED:
         return _gathered(op_schema)
 
@@ -759,7 +772,9 @@ _ROW_VIEWS = {
 }
 # gathered to Replicate where they move rows (see the Note)
 _GATHERED = {aten.t.default, aten.transpose.int, aten.permute.default, aten.addmm.default}
-_torch_propagate = None  # torch's own propagate_op_sharding_non_cached: _install_propagation
+_torch_propagate: Callable[[OpSchema], OutputSharding] | None = (
+    None  # torch's own propagate_op_sharding_non_cached: _install_propagation
+)
 
 
 def _row_args(op_schema: OpSchema, index: int, value) -> OpSchema:
@@ -786,9 +801,11 @@ def _row_reduction(op_schema: OpSchema, out_meta, spec) -> OutputSharding:
     rule = _ROW_REDUCTIONS[op]
     src = next(a for a in args if isinstance(a, DTensorSpec) and _is_ragged(a))
     ndim, placements = len(src.shape), src.placements
-    axis, rs = ragged_axis(placements)
+    axis, rs = _ragged_axis_of(placements)
     k = len(rs.dims)
-    dim = args[rule.dim_arg] if len(args) > rule.dim_arg else op_schema.kwargs_schema.get("dim")
+    dim: Any = (
+        args[rule.dim_arg] if len(args) > rule.dim_arg else op_schema.kwargs_schema.get("dim")
+    )
     given = [dim] if isinstance(dim, int) else list(dim or ())
     dims = sorted({d % ndim for d in given}) if given else list(range(ndim))
     metas = [out_meta] if isinstance(out_meta, TensorMeta) else list(out_meta)
@@ -850,10 +867,11 @@ def _row_view(op_schema: OpSchema, out_meta, spec) -> OutputSharding | None:
     Raises:
         NotImplementedError: a view that regroups rows, or one under a Shard axis.
     """
-    op, args = op_schema.op, op_schema.args_schema
+    op = op_schema.op
+    args: tuple[Any, ...] = op_schema.args_schema  # a DTensorSpec, then the view's arguments
     src = args[0]
     shape, out_shape = tuple(src.shape), tuple(out_meta.shape)
-    axis, rs = ragged_axis(src.placements)
+    axis, rs = _ragged_axis_of(src.placements)
     k = len(rs.dims)
 
     def fail(why):
@@ -925,6 +943,7 @@ def _gathered(op_schema: OpSchema) -> OutputSharding:
         {k: replicate(v) for k, v in op_schema.kwargs_schema.items()},
         schema_info=op_schema.schema_info,
     )
+    assert _torch_propagate is not None  # set by _install_propagation
     out = _torch_propagate(gathered)
     if out.redistribute_schema is None:  # torch runs it as given: gathered is the input
         out.redistribute_schema, out.needs_redistribute = gathered, True
@@ -1036,7 +1055,8 @@ def _install_propagation() -> None:
         return original(op_schema)
 
     # The cached entry point captured the bound original at construction: replace both.
-    prop.propagate_op_sharding_non_cached = propagate_op_sharding_non_cached
+    # (a deliberate patch of torch's instance: mypy forbids assigning to a method)
+    prop.propagate_op_sharding_non_cached = propagate_op_sharding_non_cached  # type: ignore[method-assign]
     prop.propagate_op_sharding = LocalLRUCache(propagate_op_sharding_non_cached)
     handlers = DTensor._op_dispatcher._custom_op_handlers
     for op in _REDUCTION_HANDLED:
@@ -1146,15 +1166,17 @@ def install() -> None:
                 f"torch at your own risk (a patched internal may be missing or differ)"
             )
         warnings.warn(f"{found}; going on because {UNTESTED_TORCH_ENV}=1", stacklevel=2)
-    DTensor.from_local = staticmethod(_from_local)
+    # Deliberate patches of torch's DTensor and modules (mypy forbids assigning to a method
+    # or setting an attribute a module does not declare).
+    DTensor.from_local = staticmethod(_from_local)  # type: ignore[method-assign]
     # `from torch.distributed.tensor import distribute_tensor` may have bound torch's
     # function before raggedfsdp was imported: give that very function object our code.
-    dtensor_api._raggedfsdp_distribute_tensor = _distribute_tensor
+    dtensor_api._raggedfsdp_distribute_tensor = _distribute_tensor  # type: ignore[attr-defined]
     _torch_distribute_tensor.__code__ = _distribute_tensor_trampoline.__code__
     for module in (dtensor_redistribute, dtensor_dispatch, dtensor_api):
-        module.redistribute_local_tensor = _redistribute_local_tensor
+        module.redistribute_local_tensor = _redistribute_local_tensor  # type: ignore[attr-defined]
     _install_propagation()
-    DTensor.__create_write_items__ = _create_write_items
-    DTensor.__create_chunk_list__ = _create_chunk_list
-    DTensor.__get_tensor_shard__ = _get_tensor_shard
+    DTensor.__create_write_items__ = _create_write_items  # type: ignore[method-assign]
+    DTensor.__create_chunk_list__ = _create_chunk_list  # type: ignore[method-assign]
+    DTensor.__get_tensor_shard__ = _get_tensor_shard  # type: ignore[method-assign]
     _installed = True

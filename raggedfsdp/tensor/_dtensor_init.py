@@ -237,6 +237,7 @@ def install() -> None:
     for op in (aten.any.default, aten.all.default):
         handlers[op] = any_all_handler
     handlers[aten.select.int] = select_handler
-    dtensor_utils._raggedfsdp_local_shape_and_offset = _local_shape_and_offset
+    # a deliberate patch: mypy forbids setting an attribute the module does not declare
+    dtensor_utils._raggedfsdp_local_shape_and_offset = _local_shape_and_offset  # type: ignore[attr-defined]
     _torch_local_shape_and_offset.__code__ = _local_shape_and_offset_trampoline.__code__
     state_dict_utils._distribute_tensors = _distribute_tensors

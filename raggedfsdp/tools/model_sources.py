@@ -9,8 +9,9 @@
   (``raggedfsdp.models.load_config_json``, which names a bad field and its fix);
 - ``hf:DIR``, a **Hugging Face config** (``DIR/config.json``): built on ``meta`` by
   ``AutoModelForCausalLM.from_config`` (never downloaded; needs ``transformers``, the
-  ``clients`` extra), its blocks the modules of its ``_no_split_modules`` classes (the
-  classes Hugging Face itself names as the units to wrap), KV cache off.
+  ``hf`` extra), its blocks the modules of its ``_no_split_modules`` classes (the
+  classes Hugging Face itself names as the units to wrap), KV cache off; see
+  ``raggedfsdp.models.hf``, which ``train`` uses too.
 
 The first two build ``raggedfsdp.models.Transformer``; all three are ``fully_shard``-ed
 the same way: each block, then the root.
@@ -20,12 +21,19 @@ from __future__ import annotations
 
 import dataclasses
 import types
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
 
+from raggedfsdp.models.hf import (
+    HF_PREFIX,
+    build_hf_model,
+    hf_config,
+    hf_directory,
+    logits_of,
+    named_hf_blocks,
+)
 from raggedfsdp.models.parallelize import parallelize
 
 if TYPE_CHECKING:
@@ -39,8 +47,6 @@ __all__ = [
     "logits_of",
     "shard_model",
 ]
-
-HF_PREFIX = "hf:"
 
 
 class ModelRequest(Protocol):
@@ -173,45 +179,17 @@ def _balanced_moe_forward(self, x: torch.Tensor) -> torch.Tensor:
 
 
 # ================================================================================================
-# Hugging Face configs
+# Hugging Face configs (raggedfsdp.models.hf)
 # ================================================================================================
 def _hf_config(model: str, layers: int | None) -> Any:
-    """The ``transformers`` config of ``hf:DIR`` (read from ``DIR/config.json`` only), with
-    ``layers`` blocks if not None and the KV cache off."""
-    directory = Path(model[len(HF_PREFIX) :])
-    if not (directory / "config.json").is_file():
-        raise ValueError(
-            f"simulate: --model {model}: {directory / 'config.json'} does not exist; pass "
-            f"hf:DIR with DIR a directory holding a Hugging Face config.json"
-        )
-    try:
-        from transformers import AutoConfig
-    except ImportError:
-        raise ImportError(
-            f"simulate: --model {model} builds the model with Hugging Face transformers, "
-            "which is not installed; install it (pip install transformers, or raggedfsdp's "
-            "'clients' extra) or pass a catalogue name or a JSON config file"
-        ) from None
-    try:
-        config = AutoConfig.from_pretrained(str(directory), local_files_only=True)
-    except (ValueError, OSError, KeyError) as e:
-        raise ValueError(
-            f"simulate: --model {model}: transformers cannot read {directory / 'config.json'} "
-            f"({type(e).__name__}: {e}); it needs a model_type that transformers knows"
-        ) from None
-    if layers is not None:
-        config.num_hidden_layers = layers
-    config.use_cache = False
-    return config
+    """The transformers config of ``hf:DIR`` (``DIR/config.json`` only), KV cache off."""
+    return hf_config(model, who="simulate", layers=layers)
 
 
 def _build_hf(model: str, layers: int | None) -> tuple[nn.Module, str]:
-    from transformers import AutoModelForCausalLM
-
-    config = _hf_config(model, layers)
-    with torch.device("meta"):
-        module = AutoModelForCausalLM.from_config(config)
-    note = f"Hugging Face {type(module).__name__} from {model[len(HF_PREFIX) :]}/config.json"
+    # the config's own dtype: the simulator measures the model as it is stored
+    module = build_hf_model(model, config=_hf_config(model, layers), dtype=None)
+    note = f"Hugging Face {type(module).__name__} from {hf_directory(model)}/config.json"
     return module, note
 
 
@@ -252,29 +230,15 @@ def _named_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
     if isinstance(model, Transformer):
         return [(f"layers.{i}", block) for i, block in enumerate(model.layers)]
-    classes = set(getattr(model, "_no_split_modules", None) or ())
-    found: list[tuple[str, nn.Module]] = []
-    for fqn, m in model.named_modules():
-        inside = any(fqn.startswith(f"{outer}.") for outer, _ in found)
-        if not inside and (isinstance(m, CheckpointWrapper) or type(m).__name__ in classes):
-            found.append((fqn, m))
-    if not found:
-        raise ValueError(
-            f"simulate: found no transformer blocks in {type(model).__name__} (its "
-            f"_no_split_modules are {sorted(classes)}); a Hugging Face model must name its "
-            "block class there"
-        )
-    return found
+    try:
+        return named_hf_blocks(model, also=(CheckpointWrapper,))
+    except ValueError as e:
+        raise ValueError(f"simulate: {e}") from None
 
 
 def blocks_of(model: nn.Module) -> list[nn.Module]:
     """The blocks ``fully_shard``-ed one by one before the root (checkpoint-wrapped if so)."""
     return [block for _, block in _named_blocks(model)]
-
-
-def logits_of(output: Any) -> torch.Tensor:
-    """Logits ``(B, S, vocab)`` of a forward's output (a Hugging Face output's ``logits``)."""
-    return output.logits if hasattr(output, "logits") else output
 
 
 def shard_model(model: nn.Module, mesh, system: str, mp: str, grouping: str = "blocks") -> None:

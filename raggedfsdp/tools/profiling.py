@@ -48,6 +48,7 @@ propagation) hold no data and are not counted.
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -92,15 +93,15 @@ COPY_OPS = WRAPPER_OPS | frozenset(
     )
 )
 
-_BACKEND_KEYS = {
-    "cpu": DispatchKey.CPU,
-    "cuda": DispatchKey.CUDA,
-    "xpu": DispatchKey.XPU,
-    "mps": DispatchKey.MPS,
-    "hpu": DispatchKey.HPU,
-    "mtia": DispatchKey.MTIA,
-    "meta": DispatchKey.Meta,
-}
+
+@functools.cache
+def _backend_key(device_type: str) -> DispatchKey | None:
+    """The backend dispatch key of a tensor on ``device_type`` (``CPU``, ``CUDA``, ``Meta``,
+    an accelerator's own), as torch maps it; None where torch names none."""
+    try:
+        return getattr(DispatchKey, torch._C._dispatch_key_for_device(device_type), None)
+    except RuntimeError:
+        return None
 
 
 def storage_key(t: torch.Tensor) -> int:
@@ -260,7 +261,7 @@ class CopyCounter(TorchDispatchMode):
     def _run_wrapper(self, func, args, kwargs):
         op = _op_name(func)
         tensors = _tensors((args, kwargs))
-        key = _BACKEND_KEYS.get(tensors[0].device.type) if tensors else None
+        key = _backend_key(tensors[0].device.type) if tensors else None
         if key is None:  # no backend kernel to redispatch to: count the op alone
             out = func(*args, **kwargs)
             self._record(op, *self._reads_writes(func, args, kwargs, out))

@@ -4,10 +4,11 @@ An error found inside the ranks costs 10-20 s and prints three tracebacks; found
 it is one line and nothing is written (``_cli`` turns the ``ValueError`` into a usage
 error). What is checked: the launch (ranks, nodes, rendezvous), each number's range,
 the mesh (``parse_train_mesh``: its dims, their product, the model's heads and experts
-against them), the data (readable text, long enough for a sequence in each split that
-is used), the block size against the model's shapes (``_policy.check_block_rows``), the
-memory a step needs (``_resources.check_memory``), the run folder (``_rundir.check_out``:
-ownership, ``--resume``, ``--resume-from``) and what it can hold (``_resources.check_storage``:
+against them), the data (readable text or a sound token file, its ids within the model's
+vocabulary, long enough for a sequence in each split that is used), the block size
+against the model's shapes (``_policy.check_block_rows``), the memory a step needs
+(``_resources.check_memory``), the run folder (``_rundir.check_out``: ownership,
+``--resume``, ``--resume-from``) and what it can hold (``_resources.check_storage``:
 writable, room for a checkpoint).
 
 The mesh forms ``--mesh`` takes: [Note: mesh specs] in ``raggedfsdp/models/parallelize.py``.
@@ -102,7 +103,7 @@ def _check_numbers(args, world: int, mesh: MeshSpec) -> None:
     if args.max_buffers < 1:
         raise ValueError(f"train: --max-buffers must be >= 1, got {args.max_buffers}")
     if args.backend == "fsdp2":
-        if args.optim in ("flat-adamw", "muon", "adamw8bit"):
+        if args.optim in ("flat-adamw", "muon", "shampoo", "adamw8bit"):
             raise ValueError(f"train: --optim {args.optim} runs on the raggedfsdp backend only")
         for flag, value, default in (
             ("--max-buffers", args.max_buffers, DEFAULT_MAX_BUFFERS),
@@ -133,19 +134,53 @@ def _check_packages(args) -> None:
             )
 
 
+def _model_vocab(model: str) -> int:
+    """The vocabulary of ``--model``: ids at or above it have no embedding row."""
+    if model.startswith("hf:"):
+        from raggedfsdp.models.hf import hf_config
+
+        return int(hf_config(model, who="train").vocab_size)
+    from raggedfsdp.models import get_config
+
+    return get_config(model).vocab_size
+
+
+def _check_vocab(args, vocab: int, what: str) -> None:
+    """Every id the data can hold has a row of ``--model``'s embedding."""
+    model_vocab = _model_vocab(args.model)
+    if vocab <= model_vocab:
+        return
+    larger = [m for m in TRAIN_MODELS if _model_vocab(m) >= vocab]
+    models = f" ({', '.join(larger)})" if larger else ""
+    raise ValueError(
+        f"train: {what} has a vocabulary of {vocab} ids, more than the {model_vocab} of "
+        f"--model {args.model}'s embedding; pass a model with a vocabulary of at least "
+        f"{vocab}{models}, or a tokenizer of at most {model_vocab} ids"
+    )
+
+
 def _check_data(args):
-    """The corpus, with a sequence's worth of bytes in each split that is used."""
+    """The corpus, its ids within the model's vocabulary, with a sequence's worth of ids
+    in each split that is used."""
     from pathlib import Path
 
     from raggedfsdp.train.data import DataConfig, load_corpus
+    from raggedfsdp.train.tokens import is_token_file, load_tokenizer
 
-    corpus = load_corpus(DataConfig(path=args.data, max_bytes=args.max_bytes))
-    if args.data is not None and Path(args.data).is_file():
+    token_file = args.data is not None and is_token_file(args.data)
+    tokenizer = getattr(args, "tokenizer", None)
+    if tokenizer is not None and not token_file:  # before the text is encoded with it
+        _check_vocab(args, load_tokenizer(tokenizer).vocab_size, f"--tokenizer '{tokenizer}'")
+    corpus = load_corpus(DataConfig(path=args.data, max_bytes=args.max_bytes, tokenizer=tokenizer))
+    if token_file:
+        _check_vocab(args, corpus.vocab_size, f"the token file --data '{args.data}'")
+    elif args.data is not None and Path(args.data).is_file():
         with open(args.data, "rb") as f:  # load_corpus takes any bytes; this is a text demo
             if b"\0" in f.read(8192):
                 raise ValueError(
                     f"train: --data '{args.data}' is not text (it holds NUL bytes: a binary "
-                    "file?); pass a text file or a folder (whose binary files are skipped)"
+                    "file?); pass a text file, a folder (whose binary files are skipped), a "
+                    "JSON-lines file, or a token file written by python -m raggedfsdp tokenize"
                 )
     need = args.seq_len + 1
     splits = [("training", corpus.train)] + ([("validation", corpus.val)] if args.val_every else [])
@@ -153,9 +188,9 @@ def _check_data(args):
         if data.numel() < need:
             hint = " or --val-every 0" if name == "validation" else ""
             raise ValueError(
-                f"train: the {name} split of '{corpus.source}' has {data.numel()} bytes, fewer "
-                f"than --seq-len + 1 = {need}; give more text (--data, --max-bytes), a "
-                f"smaller --seq-len{hint}"
+                f"train: the {name} split of '{corpus.source}' has {data.numel()} "
+                f"{corpus.unit}, fewer than --seq-len + 1 = {need}; give more text (--data, "
+                f"--max-bytes), a smaller --seq-len{hint}"
             )
     return corpus
 
@@ -171,6 +206,12 @@ def _check_mesh(args, mesh: MeshSpec) -> None:
             f"--reshard-after-forward {args.reshard_after_forward} with {where} is not "
             "supported yet (an int reshards to a smaller group on a 1-D mesh only); pass "
             "auto, true or false"
+        )
+    if mesh.tp > 1 and args.optim == "shampoo":
+        raise ValueError(
+            "train: --optim shampoo does not compose with tensor parallelism (tp > 1 in "
+            "--mesh): a tp cut would cut Shampoo's blocks, which each rank preconditions whole "
+            "without communication; pass a mesh without tp, or --optim muon"
         )
     if mesh.tp > 1 and args.optim == "adamw8bit":
         # [Note: 8-bit states under TP and EP]: row-wise TP pieces must hold whole blocks
@@ -237,6 +278,60 @@ def _check_model(args, mesh: MeshSpec) -> None:
     check_block_rows(args, model, mesh.shard)
 
 
+def _check_hf_config(args):
+    """``--model hf:DIR``: a readable ``DIR/config.json`` of a causal LM, transformers
+    installed (``raggedfsdp.models.hf``); its config."""
+    from raggedfsdp.models.hf import check_hf_causal_lm
+
+    try:
+        return check_hf_causal_lm(args.model, who="train")
+    except ImportError as e:  # the launcher's errors are usage errors
+        raise ValueError(str(e)) from None
+
+
+def _check_hf_model(args, mesh: MeshSpec, config, data_vocab: int) -> None:
+    """What ``--model hf:DIR`` needs of the other arguments and of ``DIR``, on the model
+    built on ``meta``: a 1-D or HSDP mesh, an optimizer that needs no block list, the
+    data's ids within its vocabulary, ``--seq-len`` within its positions, weights (if any)
+    in safetensors files, and ``--block-rows`` against its shapes."""
+    from raggedfsdp.models.hf import build_hf_model, hf_directory, hf_weight_files
+    from raggedfsdp.train.policy import check_block_rows
+
+    model, directory = args.model, hf_directory(args.model)
+    if mesh.tp > 1 or mesh.ep > 1:
+        raise NotImplementedError(
+            f"train: --mesh {args.mesh} with --model {model}: tensor and expert parallel "
+            "split the catalogue models' modules; a Hugging Face model trains on a 1-D mesh "
+            "or HSDP (replicate=R,shard=S)"
+        )
+    if args.optim == "muon":
+        raise NotImplementedError(
+            f"train: --optim muon with --model {model}: Muon's block policy reads the "
+            "catalogue Transformer's blocks; pass --optim adamw, flat-adamw or adamw8bit"
+        )
+    if data_vocab > config.vocab_size:
+        raise ValueError(
+            f"train: --model {model} has a vocabulary of {config.vocab_size} ids, fewer than "
+            f"the data's {data_vocab} (bytes are 256 ids); set vocab_size >= {data_vocab} in "
+            f"{directory / 'config.json'}, or pass a tokenizer whose ids fit (--tokenizer)"
+        )
+    positions = getattr(config, "max_position_embeddings", None)
+    if positions is not None and args.seq_len > positions:
+        raise ValueError(
+            f"train: --seq-len {args.seq_len} exceeds max_position_embeddings={positions} of "
+            f"{directory / 'config.json'}; pass --seq-len <= {positions}"
+        )
+    if not hf_weight_files(directory) and any(directory.glob("*.bin")):
+        raise ValueError(
+            f"train: --model {model}: '{directory}' holds PyTorch *.bin weights, which are not "
+            "read (each rank reads its rows of safetensors files); convert them "
+            "(save_pretrained(safe_serialization=True)) or remove them to start from a "
+            "random init"
+        )
+    if args.backend == "raggedfsdp":
+        check_block_rows(args, build_hf_model(model, config=config), mesh.shard)
+
+
 def check_args(args) -> tuple[int, str]:
     """Raise ValueError (NotImplementedError: a valid but unsupported mesh) for arguments
     that would fail inside the ranks; read-only.
@@ -246,8 +341,12 @@ def check_args(args) -> tuple[int, str]:
         ``--resume``) and the sha256 of the data (``_rundir.data_digest``).
     """
     from raggedfsdp.models import CATALOGUE
+    from raggedfsdp.models.hf import is_hf_model
 
-    if args.model not in TRAIN_MODELS:
+    hf = is_hf_model(args.model)
+    if hf:
+        hf_config = _check_hf_config(args)
+    elif args.model not in TRAIN_MODELS:
         known = ", ".join(TRAIN_MODELS)
         hint = " (a catalogue shape, too big to train here)" if args.model in CATALOGUE else ""
         raise ValueError(f"train: unknown --model {args.model!r}{hint}; choose one of {known}")
@@ -260,18 +359,25 @@ def check_args(args) -> tuple[int, str]:
         raise NotImplementedError(f"train: {e}") from None
     _check_numbers(args, world, mesh)
     try:
-        _check_mesh(args, mesh)
+        if not hf:  # a Hugging Face model's mesh: _check_hf_model
+            _check_mesh(args, mesh)
     except ValueError as e:
         raise ValueError(f"train: {e}") from None
     except NotImplementedError as e:
         raise NotImplementedError(f"train: {e}") from None
     _check_packages(args)
+    from raggedfsdp.train.devices import resolve_device
+
+    resolve_device(getattr(args, "device", "cpu"))  # an absent accelerator: refused here
     corpus = _check_data(args)
-    _check_model(args, mesh)
+    if hf:
+        _check_hf_model(args, mesh, hf_config, corpus.vocab_size)
+    else:
+        _check_model(args, mesh)
     from raggedfsdp.train.resources import check_memory, check_storage
     from raggedfsdp.train.rundir import check_out, data_digest
 
-    check_memory(args, mesh, corpus.train.numel() + corpus.val.numel())
+    check_memory(args, mesh, corpus.train.nbytes + corpus.val.nbytes)
     digest = data_digest(corpus)
     start = check_out(args, digest)
     check_storage(args, mesh)

@@ -1,9 +1,12 @@
-"""The demo dataset: bytes of text, split train / validation, cut into deterministic batches.
+"""The training data: text as ids, split train / validation, cut into deterministic batches.
 
 By default the text is the Python standard library's own ``*.py`` sources, found beside
 the running interpreter (``sysconfig.get_paths()["stdlib"]``): present on every machine,
-nothing to download. ``DataConfig(path=...)`` takes any text file or folder instead.
-Tokens are bytes: ids 0..255 (a model's larger vocabulary simply has unused ids).
+nothing to download. ``DataConfig(path=...)`` takes a text file, a JSON-lines file (a
+``"text"`` field a line), a folder of both, or a token file written by ``python -m
+raggedfsdp tokenize`` (memory-mapped; [Note: token file format] in ``tokens.py``).
+By default the ids are bytes, 0..255 (a model's larger vocabulary simply has unused ids);
+``DataConfig(tokenizer=DIR)`` encodes the text with a local ``tokenizer.json`` instead.
 
 [Note: world-size-invariant batches]
 The global batch of step ``k`` is a function of ``(seed, k, batch_size, seq_len)`` only:
@@ -24,21 +27,30 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import json
 import os
 import sysconfig
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
+import numpy as np
 import torch
 from torch import Tensor
+
+from raggedfsdp.train.tokens import is_token_file, load_tokenizer, read_token_file, split_point
 
 __all__ = [
     "BYTE_VOCAB",
     "DataConfig",
+    "Document",
     "TextCorpus",
     "batches",
+    "data_files",
     "get_batch",
+    "is_val",
+    "iter_documents",
     "load_corpus",
     "stdlib_dir",
 ]
@@ -49,53 +61,86 @@ _SKIP_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
 
 @dataclass(frozen=True, kw_only=True)
 class DataConfig:
-    """Where the text comes from and how much of it to use.
+    """Where the text comes from, how much of it to use, and how it becomes ids.
 
     Args:
-        path: a text file or a folder of text files; None: the standard library's
-            ``*.py`` sources. Default None.
-        max_bytes: read at most this many bytes (files in sorted order, the last one
-            cut). Default 8 MiB.
-        val_fraction: share of the bytes held out for validation, in (0, 1). Default 0.1.
+        path: a text file, a JSON-lines file (``*.jsonl``: one JSON object a line, its
+            text in the ``"text"`` field), a token file (``python -m raggedfsdp tokenize``;
+            see [Note: token file format] in ``tokens.py``), or a folder of text and
+            JSON-lines files; None: the standard library's ``*.py`` sources. Default None.
+        max_bytes: read at most this many bytes of text (documents in order, the last one
+            cut); None: all of it. A token file is mapped whole. Default 8 MiB.
+        val_fraction: share of the documents held out for validation, in (0, 1).
+            Default 0.1.
+        tokenizer: a folder holding a ``tokenizer.json`` (or that file); None: byte-level
+            ids. Default None.
     """
 
     path: str | None = None
-    max_bytes: int = 8 << 20
+    max_bytes: int | None = 8 << 20
     val_fraction: float = 0.1
+    tokenizer: str | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.max_bytes, bool) or not isinstance(self.max_bytes, int):
-            raise ValueError(f"DataConfig: max_bytes must be an int, got {self.max_bytes!r}")
-        if self.max_bytes < 2:
-            raise ValueError(
-                f"DataConfig: max_bytes must be >= 2 (one byte for each split), "
-                f"got {self.max_bytes}"
-            )
+        if self.max_bytes is not None:
+            if isinstance(self.max_bytes, bool) or not isinstance(self.max_bytes, int):
+                raise ValueError(f"DataConfig: max_bytes must be an int, got {self.max_bytes!r}")
+            if self.max_bytes < 2:
+                raise ValueError(
+                    f"DataConfig: max_bytes must be >= 2 (one byte for each split), "
+                    f"got {self.max_bytes}"
+                )
         if not 0.0 < self.val_fraction < 1.0:
             raise ValueError(f"DataConfig: val_fraction must be in (0, 1), got {self.val_fraction}")
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
 class TextCorpus:
-    """Loaded bytes, split.
+    """Loaded ids, split.
 
     Args:
-        train: training bytes, 1-D uint8.
-        val: validation bytes, 1-D uint8.
+        train: training ids, 1-D (uint8 bytes; uint16 or uint32 from a tokenizer).
+        val: validation ids, 1-D, the same dtype.
         source: where they came from (a path), for logs.
         n_files: how many files were read.
+        vocab_size: every id is below it. Default 256 (bytes).
+        tokenizer: what made the ids: ``"bytes"``, a ``tokenizer.json`` path, or
+            ``"token file"``. Default ``"bytes"``.
     """
 
-    train: Tensor  # 1-D uint8
-    val: Tensor  # 1-D uint8
+    train: Tensor  # 1-D ids
+    val: Tensor  # 1-D ids
     source: str
     n_files: int
+    vocab_size: int = BYTE_VOCAB
+    tokenizer: str = "bytes"
+
+    @property
+    def unit(self) -> str:
+        """What an id is, for messages: ``"bytes"`` or ``"tokens"``."""
+        return "bytes" if self.tokenizer == "bytes" else "tokens"
 
     def split(self, name: str) -> Tensor:
-        """``"train"`` or ``"val"`` bytes."""
+        """``"train"`` or ``"val"`` ids."""
         if name not in ("train", "val"):
             raise ValueError(f"TextCorpus.split: name must be 'train' or 'val', got {name!r}")
         return self.train if name == "train" else self.val
+
+
+class Document(NamedTuple):
+    """One document of a corpus: a text file, or one record of a JSON-lines file.
+
+    Args:
+        key: its name (a relative path; ``path:line`` for a record), which decides its split.
+        text: its bytes (UTF-8 for a tokenizer).
+        file: the index of the file it came from.
+        size: bytes of input it stands for (a record's whole line), for progress.
+    """
+
+    key: str
+    text: bytes
+    file: int
+    size: int
 
 
 def stdlib_dir() -> Path:
@@ -117,10 +162,10 @@ def _list_files(root: Path, *, python_only: bool) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
-def _read(path: Path, limit: int) -> bytes:
+def _read(path: Path, limit: int | None) -> bytes:
     try:
         with open(path, "rb") as f:
-            return f.read(limit)
+            return f.read(-1 if limit is None else limit)
     except OSError as e:
         raise ValueError(
             f"data: cannot read {str(path)!r} ({e.strerror or e}); pass a readable text file "
@@ -128,72 +173,158 @@ def _read(path: Path, limit: int) -> bytes:
         ) from None
 
 
-def _is_val(rel: str, val_fraction: float) -> bool:
-    """A file's split, from the hash of its relative path (stable across machines and runs)."""
-    h = int.from_bytes(hashlib.sha256(rel.encode()).digest()[:8], "little")
+def is_val(key: str, val_fraction: float) -> bool:
+    """A document's split, from the hash of its key (stable across machines and runs)."""
+    h = int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "little")
     return h / 2**64 < val_fraction
 
 
-def load_corpus(config: DataConfig | None = None) -> TextCorpus:
-    """Read the text of ``config`` and split it deterministically into train and validation.
-
-    Files are read in sorted order until ``max_bytes``; each goes to validation or
-    training by the hash of its relative path. If that leaves a side empty (one file, or
-    few), the last ``val_fraction`` of the bytes is validation instead.
-
-    Args:
-        config: what to read. Default ``DataConfig()`` (the standard library).
-
-    Returns:
-        The split bytes.
+def data_files(config: DataConfig) -> tuple[Path, list[Path]]:
+    """``(root, files)``: the folder (or file) of ``config.path`` and the files read from
+    it, in order.
 
     Raises:
-        ValueError: a path that does not exist or cannot be read, or no text in it.
+        ValueError: the path does not exist.
     """
-    config = config or DataConfig()
     if config.path is None:
-        root, files = stdlib_dir(), _list_files(stdlib_dir(), python_only=True)
-    else:
-        root = Path(config.path)
-        if root.is_dir():
-            files = _list_files(root, python_only=False)
-        elif root.exists():
-            files = [root]
-        else:
-            raise ValueError(
-                f"data: {config.path!r} does not exist; pass a text file or a folder of text "
-                f"files (or no path for the standard library's sources)"
-            )
+        return stdlib_dir(), _list_files(stdlib_dir(), python_only=True)
+    root = Path(config.path)
+    if root.is_dir():
+        return root, _list_files(root, python_only=False)
+    if root.exists():
+        return root, [root]
+    raise ValueError(
+        f"data: {config.path!r} does not exist; pass a text file or a folder of them, a "
+        f"JSON-lines file or a token file (or no path for the standard library's sources)"
+    )
 
-    chunks: list[tuple[str, bytes]] = []  # (relative path, bytes)
+
+def _records(path: Path, data: bytes, rel: str, file: int) -> Iterator[Document]:
+    """The records of a JSON-lines file: each line an object with a string ``"text"``."""
+    for number, line in enumerate(data.splitlines(keepends=True), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError as e:
+            raise ValueError(
+                f"data: line {number} of '{path}' is not JSON ({e}); a JSON-lines file holds "
+                'one object a line, such as {"text": "..."}'
+            ) from None
+        text = record.get("text") if isinstance(record, dict) else None
+        if not isinstance(text, str):
+            raise ValueError(
+                f"data: line {number} of '{path}' has no string \"text\" field; a JSON-lines "
+                'file holds one object a line, such as {"text": "..."}'
+            )
+        yield Document(f"{rel}:{number}", text.encode("utf-8"), file, len(line))
+
+
+def iter_documents(config: DataConfig) -> Iterator[Document]:
+    """The documents of ``config``, in order, until ``max_bytes`` bytes of text.
+
+    A ``*.jsonl`` file gives one document per record, any other file one document; a
+    binary file (NUL bytes) inside a folder is skipped. Token files are not documents:
+    ``load_corpus`` maps them.
+
+    Raises:
+        ValueError: a path that does not exist or cannot be read, a bad JSON-lines record.
+    """
+    root, files = data_files(config)
     left = config.max_bytes
-    for p in files:
-        if left <= 0:
+    for index, p in enumerate(files):
+        if left is not None and left <= 0:
             break
+        rel = p.relative_to(root).as_posix() if root.is_dir() else p.name
+        if p.suffix == ".jsonl":
+            data = _read(p, None)
+            if root.is_dir() and b"\0" in data[:8192]:
+                continue  # a binary file inside a user's folder
+            for doc in _records(p, data, rel, index):
+                if left is not None and len(doc.text) >= left:
+                    yield doc._replace(text=doc.text[:left])
+                    return
+                yield doc
+                left = None if left is None else left - len(doc.text)
+            continue
         data = _read(p, left)
         if config.path is not None and root.is_dir() and b"\0" in data[:8192]:
             continue  # a binary file inside a user's folder
-        rel = p.relative_to(root).as_posix() if root.is_dir() else p.name
-        chunks.append((rel, data))
-        left -= len(data)
-    total = sum(len(d) for _, d in chunks)
+        yield Document(rel, data, index, len(data))
+        left = None if left is None else left - len(data)
+
+
+def _token_corpus(config: DataConfig) -> TextCorpus:
+    """A token file's ids, mapped; checked against ``config.tokenizer`` if one is given."""
+    tokens = read_token_file(config.path)
+    if config.tokenizer is not None:
+        tokenizer = load_tokenizer(config.tokenizer)
+        if tokenizer.digest != tokens.tokenizer:
+            made = "byte-level" if not any(tokens.tokenizer) else "another tokenizer's"
+            raise ValueError(
+                f"data: --data '{config.path}' holds {made} ids, not those of --tokenizer "
+                f"'{config.tokenizer}'; drop --tokenizer (a token file needs none), or "
+                f"tokenize the text again with it (python -m raggedfsdp tokenize)"
+            )
+    return TextCorpus(
+        train=tokens.train,
+        val=tokens.val,
+        source=str(config.path),
+        n_files=1,
+        vocab_size=tokens.vocab_size,
+        tokenizer="token file",
+    )
+
+
+def load_corpus(config: DataConfig | None = None) -> TextCorpus:
+    """Read the text of ``config``, split it deterministically into train and validation,
+    and turn it into ids (or map a token file, already split).
+
+    Documents (``iter_documents``) are read in order until ``max_bytes``; each goes to
+    validation or training by the hash of its key. If that leaves a side empty (one file,
+    or few), the last ``val_fraction`` of the ids is validation instead. Each side is
+    its documents' ids, one after the other (bytes, or ``config.tokenizer``'s ids).
+
+    Args:
+        config: what to read. Default ``DataConfig()`` (the standard library, bytes).
+
+    Returns:
+        The split ids.
+
+    Raises:
+        ValueError: a path that does not exist or cannot be read, no text in it, a bad
+            JSON-lines record, a bad token file or tokenizer.
+    """
+    config = config or DataConfig()
+    if config.path is not None and is_token_file(config.path):
+        return _token_corpus(config)
+    tokenizer = load_tokenizer(config.tokenizer)
+    root, _ = data_files(config)
+    docs = list(iter_documents(config))
+    total = sum(len(d.text) for d in docs)
     if total < 2:
         raise ValueError(
             f"data: {str(root)!r} holds {total} bytes of text (at least 2 needed, one per "
             f"split); pass a non-empty text file or folder"
         )
-
-    val = b"".join(d for rel, d in chunks if _is_val(rel, config.val_fraction))
-    train = b"".join(d for rel, d in chunks if not _is_val(rel, config.val_fraction))
-    if not val or not train:  # too few files to split by file: split the bytes
-        everything = b"".join(d for _, d in chunks)
-        cut = min(max(1, round(len(everything) * (1 - config.val_fraction))), total - 1)
+    sides = [[d.text for d in docs if is_val(d.key, config.val_fraction) == v] for v in (0, 1)]
+    train, val = (tokenizer.encode(texts) for texts in sides)
+    if not val.size or not train.size:  # too few documents to split by document: cut the ids
+        everything = np.concatenate([train, val])
+        if everything.size < 2:
+            raise ValueError(
+                f"data: the text of {str(root)!r} gives {everything.size} tokens (at least 2 "
+                "needed, one per split); give more text"
+            )
+        cut = split_point(everything.size, config.val_fraction)
         train, val = everything[:cut], everything[cut:]
     return TextCorpus(
-        train=torch.frombuffer(bytearray(train), dtype=torch.uint8),
-        val=torch.frombuffer(bytearray(val), dtype=torch.uint8),
+        train=torch.from_numpy(train),
+        val=torch.from_numpy(val),
         source=str(root),
-        n_files=len(chunks),
+        n_files=len({d.file for d in docs}),
+        vocab_size=tokenizer.vocab_size,
+        tokenizer=tokenizer.name,
     )
 
 
@@ -215,7 +346,7 @@ def get_batch(
     """This rank's rows of the global batch of ``step``. See [Note: world-size-invariant batches].
 
     Args:
-        data: 1-D uint8 bytes (``corpus.train`` or ``corpus.val``).
+        data: 1-D ids, any integer dtype (``corpus.train`` or ``corpus.val``).
         seed: the data seed.
         step: the step index (>= 0).
         batch_size: the global batch size (rows over all ranks), divisible by ``world_size``.
@@ -225,10 +356,10 @@ def get_batch(
 
     Returns:
         ``(inputs, targets)``, each int64 ``(batch_size // world_size, seq_len)``; targets
-        are the inputs shifted by one byte.
+        are the inputs shifted by one id.
 
     Raises:
-        ValueError: a bad size, rank, or data shorter than ``seq_len + 1`` bytes.
+        ValueError: a bad size, rank, or data shorter than ``seq_len + 1`` ids.
     """
     for name, value in (
         ("batch_size", batch_size),
@@ -247,8 +378,9 @@ def get_batch(
     if not 0 <= rank < world_size:
         raise ValueError(f"get_batch: rank must be in [0, {world_size}), got {rank}")
     if data.dim() != 1 or data.numel() < seq_len + 1:
+        unit = "bytes" if data.dtype == torch.uint8 else "tokens"
         raise ValueError(
-            f"get_batch: data has {data.numel()} bytes, fewer than seq_len + 1 = {seq_len + 1}; "
+            f"get_batch: data has {data.numel()} {unit}, fewer than seq_len + 1 = {seq_len + 1}; "
             f"lower seq_len or give more text"
         )
     # The whole global batch's starts are drawn on every rank (on the CPU, whatever device

@@ -38,11 +38,13 @@ from torch.distributed import distributed_c10d
 from torch.distributed.tensor import DTensor
 
 from raggedfsdp.models import get_config
+from raggedfsdp.models.hf import build_hf_model, hf_blocks, is_hf_model, logits_of, materialize_hf
 from raggedfsdp.models.parallelize import build_mesh, parallelize
 from raggedfsdp.models.transformer import Transformer, lm_loss
 from raggedfsdp.tools.profiling import measure_step
 from raggedfsdp.train.checks import MeshSpec, parse_train_mesh
 from raggedfsdp.train.data import DataConfig, get_batch, load_corpus
+from raggedfsdp.train.devices import backend_for, rank_device
 from raggedfsdp.train.guard import (
     ARGS_ENV,
     TrainError,
@@ -56,7 +58,7 @@ from raggedfsdp.train.report import plot_losses
 from raggedfsdp.train.rundir import CKPT, METRICS, MetricsLog, trim_metrics, write_atomic
 
 
-def _shard(model: Transformer, args, spec: MeshSpec, mesh) -> dict[str, tuple]:
+def _shard(model: nn.Module, args, spec: MeshSpec, mesh) -> dict[str, tuple]:
     """``parallelize`` the model by ``--backend`` with the train flags' ``fully_shard``
     arguments, in place; returns ``parallelize``'s ``{fqn: (shape, ranks)}``."""
     raf = args.reshard_after_forward.lower()
@@ -69,6 +71,12 @@ def _shard(model: Transformer, args, spec: MeshSpec, mesh) -> dict[str, tuple]:
         from raggedfsdp import MixedPrecisionPolicy, fully_shard
 
         policy = block_policy(args, model, spec.shard)  # the shard group's ranks
+        if args.optim == "shampoo":  # whole Shampoo blocks on every rank; R for the rest
+            from raggedfsdp.fsdp import BlockPolicy
+            from raggedfsdp.optim import shampoo_block_policy
+            from raggedfsdp.train.policy import block_rows
+
+            policy = shampoo_block_policy(base=BlockPolicy(rows=block_rows(args)))
         gaps = {"off": False, "on": True, "always": "always"}[args.member_gaps]
         kw = dict(
             reshard_after_forward=raf,
@@ -80,7 +88,8 @@ def _shard(model: Transformer, args, spec: MeshSpec, mesh) -> dict[str, tuple]:
         kw["mp_policy"] = MixedPrecisionPolicy(
             param_dtype=torch.bfloat16, reduce_dtype=torch.float32
         )
-    return parallelize(model, mesh, spec, fully_shard=fully_shard, **kw)
+    blocks = hf_blocks(model) if is_hf_model(args.model) else None  # None: the Transformer's
+    return parallelize(model, mesh, spec, fully_shard=fully_shard, blocks=blocks, **kw)
 
 
 def _decay_groups(params, weight_decay: float, **hyper) -> list[dict]:
@@ -99,7 +108,20 @@ def _optimizer(model: nn.Module, args) -> torch.optim.Optimizer:
         return torch.optim.AdamW(groups, lr=args.lr, weight_decay=args.weight_decay, foreach=True)
     if args.optim == "sgd":
         return torch.optim.SGD(model.parameters(), lr=args.lr)
-    from raggedfsdp.optim import AdamW, AdamW8bit, Muon, muon_param_groups
+    from raggedfsdp.optim import AdamW, AdamW8bit, Muon, Shampoo, muon_param_groups
+
+    if args.optim == "shampoo":  # matrices to Shampoo; embeddings, head and vectors to AdamW
+        split = []
+        for g in muon_param_groups(model, lr=args.lr):
+            if g.pop("use_muon"):
+                split.append({**g, "use_shampoo": True, "weight_decay": args.weight_decay})
+            else:
+                hyper = {k: v for k, v in g.items() if k not in ("params", "weight_decay")}
+                split += [
+                    {**d, "use_shampoo": False}
+                    for d in _decay_groups(g["params"], args.weight_decay, **hyper)
+                ]
+        return Shampoo(split, lr=args.lr, weight_decay=args.weight_decay)
 
     if args.optim == "muon":  # matrices to Muon; embeddings, head and vectors to AdamW
         split = []
@@ -209,6 +231,11 @@ def _grads_finite(model: nn.Module, device) -> torch.Tensor:
     return torch.stack(flags).all() if flags else torch.ones((), dtype=torch.bool, device=device)
 
 
+def _on(device: torch.device, batch: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """The batch (made on the CPU) on the rank's device."""
+    return tuple(t.to(device) for t in batch)
+
+
 def _finite_or_none(value):
     """JSON has no nan / inf: a non-finite number is written as null."""
     if isinstance(value, float) and not math.isfinite(value):
@@ -248,18 +275,29 @@ def _diverged(step: int, loss: float, grads_bad: bool, ckpt_root: Path) -> Train
     )
 
 
-def _train(args, where: Where) -> int:
+def _train(args, where: Where, device: torch.device) -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1)
     out = Path(args.out)
     ckpt_root = out / CKPT
     spec = parse_train_mesh(args.mesh, world)  # checked by the launcher
-    mesh = build_mesh(spec)
+    mesh = build_mesh(spec, device.type)
     # HSDP's collectives cross both mesh dims: name every rank's group on a timeout
     where.mesh_group = where.group = mesh.get_group(0) if mesh.ndim == 1 else dist.group.WORLD
-    corpus = load_corpus(DataConfig(path=args.data, max_bytes=args.max_bytes))
-    model = Transformer(get_config(args.model), max_seq_len=args.seq_len, seed=args.seed)
-    split = _shard(model, args, spec, mesh)
+    corpus = load_corpus(
+        DataConfig(path=args.data, max_bytes=args.max_bytes, tokenizer=args.tokenizer)
+    )
+    if is_hf_model(args.model):
+        # Built on meta and sharded, then each rank reads its own rows of the weights (or
+        # draws a seeded init; on --resume the checkpoint fills it): raggedfsdp.models.hf
+        model = build_hf_model(args.model)
+        split = _shard(model, args, spec, mesh)
+        weights = "none" if args.resume else "auto"
+        materialize_hf(model, args.model, device=device, seed=args.seed, weights=weights)
+    else:
+        model = Transformer(get_config(args.model), max_seq_len=args.seq_len, seed=args.seed)
+        model.to(device)  # built on the CPU (the seed's values on any device), trained here
+        split = _shard(model, args, spec, mesh)
     where.watch(model)
     opt = _optimizer(model, args)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(args))
@@ -284,14 +322,17 @@ def _train(args, where: Where) -> int:
 
     def batch(step, split="train"):
         data = corpus.train if split == "train" else corpus.val
-        return get_batch(
-            data,
-            seed=args.seed if split == "train" else args.seed + 1,
-            step=step,
-            batch_size=args.batch_size,
-            seq_len=args.seq_len,
-            rank=spec.data_rank(rank),  # tp ranks share their data rank's rows
-            world_size=spec.data_ranks,
+        return _on(
+            device,
+            get_batch(
+                data,
+                seed=args.seed if split == "train" else args.seed + 1,
+                step=step,
+                batch_size=args.batch_size,
+                seq_len=args.seq_len,
+                rank=spec.data_rank(rank),  # tp ranks share their data rank's rows
+                world_size=spec.data_ranks,
+            ),
         )
 
     def one_step(step, after: str | None = None):
@@ -304,7 +345,7 @@ def _train(args, where: Where) -> int:
 
         at("forward")
         x, y = batch(step)
-        loss = lm_loss(model(x), y)
+        loss = lm_loss(logits_of(model(x)), y)
         at("backward (gradient reduce-scatter)")
         loss.backward()
         finite = _grads_finite(model, loss.device)
@@ -355,7 +396,7 @@ def _train(args, where: Where) -> int:
             where.at("validation forward", step)
             with torch.no_grad():
                 vals = [
-                    lm_loss(model(x), y)
+                    lm_loss(logits_of(model(x)), y)
                     for x, y in (batch(i, "val") for i in range(args.val_batches))
                 ]
             where.at("the validation loss all-reduce", step, group=dist.group.WORLD)
@@ -378,6 +419,8 @@ def _train(args, where: Where) -> int:
                 raise _checkpoint_error(err, f"step {step}: the checkpoint was not saved") from err
     if bar is not None:
         bar.close()
+    # The training steps' peak (the extra measured steps below track memory themselves).
+    reserved = torch.accelerator.max_memory_reserved(device) if device.type != "cpu" else None
     # Extra steps after training, counted (comms, copies) and tracked (memory): the
     # counters slow a step down, so none of the timed steps is measured. One plain step
     # first, so the measured one starts where a training step does (after a backward,
@@ -386,11 +429,14 @@ def _train(args, where: Where) -> int:
     one_step(args.steps, after)
     where.at(f"{after}, measuring a step")
     measured = measure_step(model, lambda: one_step(args.steps + 1, after), args.backend)
+    measured["max_memory_reserved_bytes"] = reserved  # None on the CPU
     steady = times[min(5, len(times) - 1) :] or times
     summary = {
         "backend": args.backend,
         "model": args.model,
         "world": world,
+        "device": device.type,
+        "process_group_backend": dist.get_backend(),
         "mesh": spec.text,
         "mesh_dims": spec.dims,
         "optim": args.optim,
@@ -406,6 +452,10 @@ def _train(args, where: Where) -> int:
     dist.all_gather_object(gathered, measured)
     if rank == 0:
         summary["peak_memory_bytes_max_rank"] = max(g.get("peak_memory_bytes", 0) for g in gathered)
+        if reserved is not None:
+            summary["max_memory_reserved_bytes_max_rank"] = max(
+                g["max_memory_reserved_bytes"] for g in gathered
+            )
         where.at(f"{after}, writing summary.json")
         write_atomic(out / "summary.json", _dumps(summary, indent=1))
         log.close()
@@ -425,10 +475,13 @@ def main() -> int:
     # Groups made later without a timeout (fully_shard's post-forward groups, a separate
     # reduce-scatter group) take torch's default (30 min for gloo), not the one given
     # here: make --timeout that default too.
-    distributed_c10d.default_pg_timeout = timeout
-    dist.init_process_group("gloo", timeout=timeout)
+    distributed_c10d.default_pg_timeout = distributed_c10d.default_pg_nccl_timeout = timeout
+    # One rank per device, with torch's backend for it: [Note: train devices] in devices.py
+    device = rank_device(getattr(args, "device", "cpu"))
+    device_id = device if device.type != "cpu" else None
+    dist.init_process_group(backend_for(device.type), timeout=timeout, device_id=device_id)
     try:
-        return _train(args, where)
+        return _train(args, where, device)
     except Exception as err:
         report_error(err, dist.get_rank(), where, args.timeout)
         return 1

@@ -73,7 +73,17 @@ MiB = 1 << 20
 RUNTIME_BYTES = 128 * MiB  # per rank; see [Note: step memory estimate]
 # Bytes of optimizer state per parameter (a lower bound where a part of the model takes
 # more: Muon's embeddings, head and vectors keep AdamW's two states).
-OPTIM_STATE_BYTES = {"adamw": 8, "flat-adamw": 8, "muon": 4, "adamw8bit": 2, "sgd": 0}
+OPTIM_STATE_BYTES = {
+    "adamw": 8,
+    "flat-adamw": 8,
+    "muon": 4,
+    # momentum and the graft's second moment (8), then per r x b block L, R and their
+    # roots: 2 (r^2 + b^2) fp32 over r b elements, 8 (r / b + b / r) >= 16 bytes per
+    # element (square blocks; 65 for the default 128 x 1024): the estimate is a lower bound
+    "shampoo": 24,
+    "adamw8bit": 2,
+    "sgd": 0,
+}
 _CGROUP_LIMITS = (
     Path("/sys/fs/cgroup/memory.max"),  # cgroup v2
     Path("/sys/fs/cgroup/memory/memory.limit_in_bytes"),  # cgroup v1
@@ -131,6 +141,63 @@ class StepMemory:
         return ", ".join(f"{n} {_size(getattr(self, n))}" for n in names if getattr(self, n))
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelSize:
+    """What the estimates read of a model: its elements, those of its root group (embedding
+    and head) and of its largest block, the activation elements one token keeps per step
+    (``4 dim + 3 ffn`` per block, the FFN being the experts a token is routed to in an MoE
+    block) and its vocabulary."""
+
+    numel: int
+    root: int
+    largest_block: int
+    per_token: int
+    vocab: int
+
+
+def model_size(args, mesh: MeshSpec) -> ModelSize:
+    """``ModelSize`` of ``--model``: a catalogue model from its config, a Hugging Face one
+    (``hf:DIR``) from its modules on ``meta`` and its config."""
+    if args.model.startswith("hf:"):
+        return _hf_size(args.model)
+    config = get_config(args.model)
+    groups = param_groups(config)
+    per_token = 0
+    for i in range(config.n_layers):
+        if config.is_moe_layer(i):
+            ffn = (config.top_k + config.n_shared_experts) * config.moe_ffn_dim
+        else:
+            ffn = config.ffn_dim // mesh.tp
+        per_token += 4 * config.dim + 3 * ffn
+    return ModelSize(
+        numel=num_params(config),
+        root=sum(g.numel for g in groups if g.kind in ("embed", "head")),
+        largest_block=max(g.numel for g in groups if g.kind not in ("embed", "head")),
+        per_token=per_token,
+        vocab=config.vocab_size,
+    )
+
+
+def _hf_size(model: str) -> ModelSize:
+    from raggedfsdp.models.hf import build_hf_model, hf_blocks
+
+    module = build_hf_model(model)  # on meta: shapes only
+    config = module.config
+    numel = sum(p.numel() for p in module.parameters())
+    blocks = [sum(p.numel() for p in b.parameters()) for b in hf_blocks(module)]
+    routed = getattr(config, "num_experts_per_tok", 0) or 0
+    moe_ffn = getattr(config, "moe_intermediate_size", 0) or 0
+    shared = getattr(config, "shared_expert_intermediate_size", 0) or 0
+    ffn = routed * moe_ffn + shared if routed and moe_ffn else config.intermediate_size
+    return ModelSize(
+        numel=numel,
+        root=numel - sum(blocks),
+        largest_block=max(blocks),
+        per_token=len(blocks) * (4 * config.hidden_size + 3 * ffn),
+        vocab=config.vocab_size,
+    )
+
+
 def estimate_step_memory(args, mesh: MeshSpec, data_bytes: int = 0) -> StepMemory:
     """A lower bound of the memory a training step takes on one rank, and on this machine.
 
@@ -142,29 +209,19 @@ def estimate_step_memory(args, mesh: MeshSpec, data_bytes: int = 0) -> StepMemor
     Returns:
         The terms of [Note: step memory estimate].
     """
-    config = get_config(args.model)
+    size = model_size(args, mesh)
     a = 2 if args.bf16 else 4
     rows = args.batch_size // mesh.data_ranks
     tokens = rows * args.seq_len
     holders = mesh.world // (mesh.replicate or 1)
-    groups = param_groups(config)
-    root = sum(g.numel for g in groups if g.kind in ("embed", "head"))
-    largest = max(g.numel for g in groups if g.kind not in ("embed", "head"))
-    per_token = 0
-    for i in range(config.n_layers):
-        if config.is_moe_layer(i):
-            ffn = (config.top_k + config.n_shared_experts) * config.moe_ffn_dim
-        else:
-            ffn = config.ffn_dim // mesh.tp
-        per_token += 4 * config.dim + 3 * ffn
     return StepMemory(
         runtime=RUNTIME_BYTES,
         data=data_bytes,
         batch=8 * rows * (args.seq_len + 1),
-        states=num_params(config) * (8 + OPTIM_STATE_BYTES[args.optim]) // holders,
-        unsharded=(root + largest // (mesh.tp * mesh.ep)) * 2 * a,
-        activations=tokens * a * per_token,
-        logits=8 * tokens * config.vocab_size,
+        states=size.numel * (8 + OPTIM_STATE_BYTES[args.optim]) // holders,
+        unsharded=(size.root + size.largest_block // (mesh.tp * mesh.ep)) * 2 * a,
+        activations=tokens * a * size.per_token,
+        logits=8 * tokens * size.vocab,
         nproc=args.nproc,
     )
 
@@ -290,10 +347,10 @@ def _probe(folder: Path) -> OSError | None:
     return None
 
 
-def checkpoint_bytes(args) -> tuple[int, int]:
+def checkpoint_bytes(args, mesh: MeshSpec) -> tuple[int, int]:
     """``(bytes, parameters)``: one checkpoint of the model (all ranks' shards): its fp32
     parameters and the optimizer's states, once (replicas save one copy)."""
-    n = num_params(get_config(args.model))
+    n = model_size(args, mesh).numel
     return n * (4 + OPTIM_STATE_BYTES[args.optim]), n
 
 
@@ -334,7 +391,7 @@ def check_storage(args, mesh: MeshSpec) -> None:
         )
     if not args.ckpt_every:
         return
-    whole, n = checkpoint_bytes(args)
+    whole, n = checkpoint_bytes(args, mesh)
     needed = whole * args.nproc // mesh.world
     free = shutil.disk_usage(folder).free
     if free < needed:

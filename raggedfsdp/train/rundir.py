@@ -61,7 +61,7 @@ import time
 import uuid
 from pathlib import Path
 
-from raggedfsdp.checkpoint.files import flock_directory
+from raggedfsdp.checkpoint.files import DirectoryLock, fsync_dir, replace_file
 
 __all__ = [
     "CKPT",
@@ -311,39 +311,27 @@ def _check_resume_from(args, out: Path) -> int:
     return step
 
 
-class OutLock:
+class OutLock(DirectoryLock):
     """The launcher's exclusive ``flock`` on the run folder for the whole job.
 
     Raises:
         ValueError: another live job holds it.
     """
 
-    def __init__(self, out: Path):
-        self.out = Path(out)
-        self._fd: int | None = None
+    def busy(self) -> Exception:
+        job = ((_read_run(self.path) or {}).get("jobs") or [{}])[-1]
+        return ValueError(
+            f"train: another live job is writing --out '{self.path}' (pid {job.get('pid')} "
+            f"on {job.get('host')}, started {job.get('started')}); wait for it to end, or "
+            "pass another --out"
+        )
 
-    def acquire(self) -> None:
-        try:
-            self._fd = flock_directory(self.out, self._unlocked)
-        except BlockingIOError:
-            job = ((_read_run(self.out) or {}).get("jobs") or [{}])[-1]
-            raise ValueError(
-                f"train: another live job is writing --out '{self.out}' (pid {job.get('pid')} "
-                f"on {job.get('host')}, started {job.get('started')}); wait for it to end, or "
-                "pass another --out"
-            ) from None
-
-    def _unlocked(self, reason: str) -> None:
+    def unlocked(self, reason: str) -> None:
         print(
-            f"train: warning: '{self.out}' cannot be locked ({reason}): a second "
+            f"train: warning: '{self.path}' cannot be locked ({reason}): a second "
             "job writing it at the same time would not be detected",
             file=sys.stderr,
         )
-
-    def release(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)  # closing drops the lock
-            self._fd = None
 
 
 def prepare(args, digest: str) -> None:
@@ -412,8 +400,8 @@ def _supersede(args, aside: Path) -> Path | None:
         problem = verify_checkpoint(path)
         described.append(path.name + (f" (damaged: {problem})" if problem else ""))
         os.rename(path, aside / path.name)
-    _fsync_dir(out / CKPT)
-    _fsync_dir(aside)
+    fsync_dir(out / CKPT)
+    fsync_dir(aside)
     steps = sorted(json.loads(line)["step"] for line in cut)
     metrics = f" and the metrics of steps {steps[0]}-{steps[-1]}" if steps else ""
     print(
@@ -448,14 +436,6 @@ def trim_metrics(path: Path, start: int) -> None:
 
 
 # ---- run files: see [Note: run files are whole] -------------------------------------------------
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def write_atomic(path: Path, text: str | bytes) -> None:
     """Replace ``path`` by ``text`` whole, or leave it as it was.
 
@@ -463,21 +443,16 @@ def write_atomic(path: Path, text: str | bytes) -> None:
         OSError: naming the file and why (a full disk: ``ENOSPC``); the temporary is gone.
     """
     path = Path(path)
-    part = path.with_name(path.name + ".part")
     data = text.encode() if isinstance(text, str) else text
     try:
-        with open(part, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(part, path)
+        replace_file(path, data)
     except OSError as err:
         with contextlib.suppress(OSError):
-            part.unlink()
+            path.with_name(path.name + ".part").unlink()
         left = "the previous one is kept" if path.exists() else "no partial file is left"
         why = err.strerror or str(err)
         raise OSError(err.errno, f"{path.name} was not written ({why}): {left}", str(path)) from err
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
 
 
 class MetricsLog:

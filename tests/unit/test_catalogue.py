@@ -14,7 +14,6 @@ from raggedfsdp.planner import (
     fsdp1_padding,
     fsdp2_padding,
     plan_groups,
-    with_block_rows,
     zero3_padding,
 )
 
@@ -31,17 +30,7 @@ PUBLISHED = {
 
 
 def model_groups(name: str, block_rows):
-    return [
-        (
-            g.name,
-            g.kind,
-            [
-                with_block_rows(TensorSpec(name=p.fqn, shape=p.shape, stack=p.stack), block_rows)
-                for p in g.params
-            ],
-        )
-        for g in param_groups(get_config(name))
-    ]
+    return [(g.name, g.kind, g.specs(block_rows)) for g in param_groups(get_config(name))]
 
 
 def test_real_models_are_all_catalogued():

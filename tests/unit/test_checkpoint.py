@@ -415,3 +415,34 @@ def test_export_safetensors_one_process(tmp_path):
     with pytest.raises(ValueError, match="name_map gives 'x' to two tensors"):
         checkpoint.export_safetensors(model, tmp_path / "dup", name_map=lambda fqn: "x")
     assert not (tmp_path / "dup").exists()
+
+
+def test_directory_locks_tell_a_live_holder_from_an_unlockable_filesystem(
+    tmp_path, monkeypatch, capsys
+):
+    import errno
+    import fcntl
+
+    from raggedfsdp.train.rundir import OutLock
+
+    # flock locks belong to an open file: a second open of the directory conflicts
+    with ckpt_files.RootLock(tmp_path):
+        with pytest.raises(ValueError, match="save: another live process is saving into"):
+            ckpt_files.RootLock(tmp_path).acquire()
+        with pytest.raises(ValueError, match="train: another live job is writing --out"):
+            OutLock(tmp_path).acquire()
+    with ckpt_files.RootLock(tmp_path):  # released on exit: free again
+        pass
+
+    def no_locks(fd, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    monkeypatch.setattr(ckpt_files.RootLock, "_warned", False)
+    with pytest.warns(UserWarning, match=r"cannot be locked \(No locks available\)"):
+        with ckpt_files.RootLock(tmp_path):
+            pass
+    lock = OutLock(tmp_path)
+    lock.acquire()  # goes on unlocked, saying so
+    lock.release()
+    assert "cannot be locked (No locks available)" in capsys.readouterr().err

@@ -2,7 +2,7 @@
 
 The planner is pure Python (no torch); the library (placement, planner, DBuffer,
 fully_shard, optimizers, checkpoint) needs torch, numpy and safetensors alone. SciPy,
-matplotlib and tqdm belong to the application (``pip install raggedfsdp[train]``).
+matplotlib, tqdm and tokenizers belong to the application (``pip install raggedfsdp[train]``).
 Each check runs in a fresh interpreter, so what this test process imported does not count.
 """
 
@@ -13,7 +13,7 @@ import os
 import subprocess
 import sys
 
-APPLICATION_ONLY = ("scipy", "matplotlib", "tqdm")
+APPLICATION_ONLY = ("scipy", "matplotlib", "tqdm", "tokenizers")
 LIBRARY = ("raggedfsdp", "fsdp", "optim", "checkpoint", "placement", "planner", "dbuffer")
 
 

@@ -1,0 +1,116 @@
+"""Shampoo's root computations and FSDP padding per rank at the catalogue's real shapes.
+
+    .venv/bin/python benchmarks/_shampoo_balance.py [--block-size 1024]
+        [--row-blocks 1024 128 32 8] [--worlds 64 256 1024] [--models ...]
+
+Every model of ``REAL_MODELS`` is planned as ``train`` shards it (one ``fully_shard``
+group per embedding, block and head; bf16, 128-byte alignment) with
+``shampoo_block_policy(block_size, row_block=r)`` for each ``r`` of ``--row-blocks``.
+A rank's root cost is the sum, over the Shampoo blocks it holds, of ``m^3 + n^3`` (the
+two eigendecompositions of an ``m x n`` block); the table prints the most loaded rank
+over the mean, the padding the policy costs, the model's total root cost over that of
+square ``block_size`` blocks, and the Shampoo statistics (``L``, ``R``, their roots)
+per Shampoo parameter element. No tensor is allocated and no process group is made.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+from torch import nn
+
+from raggedfsdp.models import get_config, param_groups
+from raggedfsdp.models.catalogue import REAL_MODELS
+from raggedfsdp.optim.muon import default_use_muon
+from raggedfsdp.optim.shampoo import blocks_of, root_cost, shampoo_block_policy
+from raggedfsdp.planner import TensorSpec, plan_buffer
+
+
+def _is_shampoo(p) -> bool:
+    return len(p.shape) in (2, 3) and default_use_muon(p.fqn, p)
+
+
+def rank_costs(model: str, world: int, size: int, row_block: int) -> dict:
+    """Root cost of every rank summed over the model's groups, the padding share, the
+    model's root cost and statistics elements, and its Shampoo elements."""
+    policy = shampoo_block_policy(size, row_block=row_block)
+    load = [0.0] * world
+    pad = total = cost = stats = numel = 0
+    cache: dict = {}
+    for g in param_groups(get_config(model)):
+        key = tuple((p.shape, p.stack) for p in g.params)
+        if key not in cache:
+            rows_of = {
+                p.fqn: policy(p.fqn, nn.Parameter(torch.empty(p.shape, device="meta")))
+                for p in g.params
+            }
+            specs = [
+                TensorSpec(name=p.fqn, shape=p.shape, stack=p.stack, block_rows=rows_of[p.fqn])
+                for p in g.params
+            ]
+            layout = plan_buffer(specs, world, dtype="bfloat16")
+            group = [0.0] * world
+            g_cost = g_stats = g_numel = 0
+            for p in g.params:
+                if not _is_shampoo(p):
+                    continue
+                members = p.shape[0] if len(p.shape) == 3 else 1
+                rows, cols = p.shape[-2], p.shape[-1]
+                t = layout[p.fqn]
+                g_numel += members * rows * cols
+                for b in blocks_of(members, rows, cols, size, row_block):
+                    e, r0, r1, c0, c1 = b
+                    stride = t.member_stride if t.members == members else rows * cols
+                    first = t.offset + e * stride + r0 * cols  # the block's first element
+                    group[first // layout.shard_size] += root_cost(b)
+                    g_cost += root_cost(b)
+                    g_stats += 2 * ((r1 - r0) ** 2 + (c1 - c0) ** 2)
+            cache[key] = (group, layout.padding, layout.total_numel, g_cost, g_stats, g_numel)
+        group, p_pad, p_total, g_cost, g_stats, g_numel = cache[key]
+        load = [a + b for a, b in zip(load, group)]
+        pad, total = pad + p_pad, total + p_total
+        cost, stats, numel = cost + g_cost, stats + g_stats, numel + g_numel
+    return dict(load=load, pad=pad / total, cost=cost, stats=stats, numel=numel)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--block-size", type=int, default=1024)
+    parser.add_argument("--row-blocks", type=int, nargs="+", default=[1024, 128, 32, 8])
+    parser.add_argument("--worlds", type=int, nargs="+", default=[64, 256, 1024])
+    parser.add_argument("--models", nargs="+", default=list(REAL_MODELS))
+    args = parser.parse_args()
+    size = args.block_size
+    print("Command: python " + " ".join(sys.argv))
+    print(
+        f"\nblock_size {size}: root cost = sum of m^3 + n^3 over a rank's blocks; "
+        f"cost x = the model's root cost over square {size} blocks'; "
+        "stats / elem = L, R and roots per Shampoo element\n"
+    )
+    print(
+        "| model | row_block | ranks | ranks with blocks | most loaded / mean | padding "
+        "| cost x | stats / elem |"
+    )
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for model in args.models:
+        base = None
+        for row_block in args.row_blocks:
+            for world in args.worlds:
+                r = rank_costs(model, world, size, row_block)
+                if base is None:
+                    base = rank_costs(model, world, size, size)["cost"]
+                load = r["load"]
+                mean = sum(load) / world
+                busy = sum(x > 0 for x in load)
+                print(
+                    f"| {model} | {row_block} | {world} | {busy} | {max(load) / mean:.2f} "
+                    f"| {100 * r['pad']:.2f}% | {r['cost'] / base:.2f} "
+                    f"| {r['stats'] / r['numel']:.1f} |",
+                    flush=True,
+                )
+
+
+if __name__ == "__main__":
+    main()
