@@ -265,9 +265,11 @@ class ParamGroup(GradientPath):
         first = next(iter(current.values()))
         local0 = first._local_tensor if isinstance(first, DTensor) else first
         shard_device = torch.device("cpu") if self.offload else local0.device
-        storage = self.dbuf.shard.untyped_storage().data_ptr()
+        # A storage's identity is its StorageImpl's address (``_cdata``), which fake tensors
+        # have too (their data_ptr is deprecated).
+        storage = self.dbuf.shard.untyped_storage()._cdata
         views = all(  # to_empty on the same device gives new tensors too
-            values_of(p._local_tensor if isinstance(p, DTensor) else p).untyped_storage().data_ptr()
+            values_of(p._local_tensor if isinstance(p, DTensor) else p).untyped_storage()._cdata
             == storage
             for p in current.values()
         )

@@ -1,6 +1,8 @@
-"""``python -m raggedfsdp train --model hf:DIR`` and ``export --hf`` end to end, on a tiny
-Llama saved with weights and a tiny Qwen3-MoE saved as ``config.json`` alone (a seeded
-random init), ranks forked by ``tests.harness.train_cli``.
+"""``python -m raggedfsdp train --model hf:DIR --tokenizer DIR --data FILE.jsonl`` and
+``export --hf`` end to end, on a tiny Llama saved with weights and a tiny Qwen3-MoE saved
+as ``config.json`` alone (a seeded random init), a BPE tokenizer trained by the test on
+the default text and JSON-lines data written by the test; ranks forked by
+``tests.harness.train_cli``.
 
 - Llama on 2 ranks: a run split in two jobs by a checkpoint gives the losses of the run
   in one job bit for bit (same ranks and layout: the same arithmetic), and they fall.
@@ -20,8 +22,10 @@ from pathlib import Path
 
 import pytest
 
+from raggedfsdp.train.data import DataConfig, iter_documents
 from tests.dist.test_hf_train_load import tiny_config, write_model
 from tests.harness import spawn, train_cli
+from tests.unit.test_tokenize import train_bpe, write_jsonl
 
 pytestmark = [
     pytest.mark.skipif(
@@ -31,9 +35,10 @@ pytestmark = [
     pytest.mark.numerics,  # bit for bit on any kernels: `make test-numerics` too
 ]
 
+VOCAB = 320  # the tokenizer's and the models' vocabulary
 COMMON = [
-    "--steps", "4", "--batch-size", "4", "--seq-len", "16", "--max-bytes", "200000",
-    "--val-every", "0", "--lr", "1e-2", "--warmup", "1", "--no-progress", "--no-plot",
+    "--steps", "8", "--batch-size", "4", "--seq-len", "16", "--max-bytes", "200000",
+    "--val-every", "0", "--lr", "3e-2", "--warmup", "1", "--no-progress", "--no-plot",
 ]  # fmt: skip
 
 
@@ -85,21 +90,27 @@ def _export_and_compare(rank: int, world: int, runs: dict[str, tuple[str, str]])
 
 
 def test_train_resume_export(tmp_path):
-    llama = write_model(tmp_path / "llama", tiny_config("llama"), weights=True)
-    moe = write_model(tmp_path / "moe", tiny_config("qwen3_moe"), weights=False)
+    """On a BPE tokenizer trained here and JSON-lines data written here."""
+    pytest.importorskip("tokenizers")
+    tok = train_bpe(tmp_path / "tok", VOCAB)
+    text = b"".join(d.text for d in iter_documents(DataConfig(max_bytes=150_000))).decode()
+    data = write_jsonl(tmp_path / "data.jsonl", [p for p in text.split("\n\n") if p.strip()])
+    common = ["--tokenizer", str(tok), "--data", str(data)]
+    llama = write_model(tmp_path / "llama", tiny_config("llama", vocab_size=VOCAB), weights=True)
+    moe = write_model(tmp_path / "moe", tiny_config("qwen3_moe", vocab_size=VOCAB), weights=False)
     assert not list(moe.glob("*.safetensors"))
 
     whole, split = tmp_path / "llama-whole", tmp_path / "llama-split"
-    _train(llama, whole, 2, "--ckpt-every", "4")
-    _train(llama, split, 2, "--ckpt-every", "2", "--stop-after", "2")
-    assert len(_losses(split)) == 2
-    _train(llama, split, 2, "--ckpt-every", "2", "--resume")
+    _train(llama, whole, 2, *common, "--ckpt-every", "8")
+    _train(llama, split, 2, *common, "--ckpt-every", "4", "--stop-after", "4")
+    assert len(_losses(split)) == 4
+    _train(llama, split, 2, *common, "--ckpt-every", "4", "--resume")
     a, b = _losses(whole), _losses(split)
     assert a == b, (a, b)  # bit for bit (JSON keeps every bit)
-    assert a[-1] < a[0] - 0.5, a  # from ln(256) = 5.5 nats, -0.9 in the first run
+    assert a[-1] < a[0] - 0.5, a  # from about ln(VOCAB) = 5.8 nats
 
     run_moe = tmp_path / "moe-run"
-    _train(moe, run_moe, 4, "--ckpt-every", "4")
+    _train(moe, run_moe, 4, *common, "--ckpt-every", "8")
     losses = _losses(run_moe)
     assert losses[-1] < losses[0] - 0.5, losses
 

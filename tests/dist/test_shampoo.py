@@ -1,5 +1,6 @@
 """Distributed Shampoo: given the same gradients, the one-device reference's parameters,
-bit for bit, at every world size; no collective in the step; checkpoints reshard.
+bit for bit, at every world size and under HSDP and EP; no collective in the step;
+checkpoints reshard.
 
 The reference is ``tests/unit/test_shampoo.py``'s blocked Shampoo written from the
 equations on the full tensors (every hidden matrix and each member of an expert stack,
@@ -24,9 +25,11 @@ from torch.distributed.tensor import DTensor, init_device_mesh
 
 from raggedfsdp import fully_shard
 from raggedfsdp.models import get_config
+from raggedfsdp.models.parallelize import build_mesh, parallelize, parse_mesh_spec
 from raggedfsdp.models.transformer import Transformer
 from raggedfsdp.optim import Shampoo, shampoo_block_policy
 from raggedfsdp.optim.muon import default_use_muon
+from raggedfsdp.tensor import ragged_piece
 from raggedfsdp.tools.profiling import CommCounter
 from tests.harness import run_cases, spawn, train_cli
 from tests.unit.test_shampoo import HYPER, gradient, reference_init, reference_step
@@ -212,3 +215,37 @@ def test_train_shampoo_resumes_bitwise(tmp_path):
     train_cli([*argv, "--out", str(split), "--ckpt-every", "100", "--stop-after", "3"])
     train_cli([*argv, "--out", str(split), "--ckpt-every", "100", "--resume"])
     assert _losses(whole) == _losses(split)
+
+
+def _piece(full: torch.Tensor, like: DTensor) -> torch.Tensor:
+    """This rank's piece of ``full`` as ``like`` places it (any mesh, any placements)."""
+    return ragged_piece(full.shape, like.device_mesh, like.placements).rows(full)
+
+
+def _check_composed(rank, world, mesh_text, ref):
+    """HSDP ``(replicate 2, shard 2)`` and FSDP x EP ``(dp_mod_ep 2, ep 2)``, sharded by
+    ``parallelize``: every step equals the reference, with no collective in the step (the
+    replicas hold the same rows and step them alike; an expert stack's members split by
+    ep are whole matrices)."""
+    spec = parse_mesh_spec(mesh_text, world)
+    mesh = build_mesh(spec)
+    model = _model("moe-tiny")
+    parallelize(model, mesh, spec, block_policy=shampoo_block_policy(BLOCK, row_block=ROW))
+    opt = _optimizer(model)
+    for step in range(STEPS):
+        for name, p in model.named_parameters():
+            local = _piece(gradient(name, p.shape, step), p).clone()
+            p.grad = DTensor.from_local(
+                local, p.device_mesh, p.placements, shape=p.shape, stride=p.stride()
+            )
+        with CommCounter() as comms:
+            opt.step()
+        assert comms.summary() == {}, f"{mesh_text} step {step}: {comms.summary()}"
+        for name, p in model.named_parameters():
+            want = _piece(ref[step][name], p)
+            assert torch.equal(p._local_tensor, want), f"{mesh_text} step {step}: {name}"
+
+
+@pytest.mark.parametrize("mesh_text", ["replicate=2,shard=2", "ep=2"])
+def test_shampoo_composes_with_hsdp_and_ep(mesh_text):
+    spawn(4, _check_composed, mesh_text, _reference("moe-tiny", "block"), timeout=300)
