@@ -400,6 +400,17 @@ class FSDPState:
         hooked = False
         for t in flat:
             if isinstance(t, torch.Tensor) and t.requires_grad:
+                if t._base is not None:  # as FSDP2 warns
+                    names = ", ".join(type(m).__name__ for m in self.modules)
+                    warnings.warn(
+                        f"fully_shard-wrapped module ({names}) returned a view tensor. An "
+                        "in-place op on this view (e.g., `x += y`) will silently drop the "
+                        "pre-backward hook and skip the all-gather, which can cause backward "
+                        "to fail or produce wrong gradients. Use out-of-place ops (`out = out "
+                        "+ y`, not `out += y`) or `.clone()` the output before any in-place op.",
+                        UserWarning,
+                        stacklevel=2,
+                    )
                 t.register_hook(self._pre_backward)
                 hooked = True
         if not hooked:
