@@ -19,9 +19,11 @@ from raggedfsdp.optim import (
     AdamW,
     AdamW8bit,
     Muon,
+    Shampoo,
     adamw8bit_block_policy,
     muon_block_policy,
     muon_param_groups,
+    shampoo_block_policy,
 )
 from tests.device_audit import DeviceAudit, HostReadAudit
 from tests.harness import run_cases, spawn
@@ -36,6 +38,17 @@ OPTIMIZERS = {
         lambda model, world: adamw8bit_block_policy(min_8bit_size=256),
     ),
     "muon": (lambda m: Muon(muon_param_groups(m), lr=1e-3), muon_block_policy),  # (model, m)
+    "shampoo": (  # roots every step from the first: both steps run every part of it
+        lambda m: Shampoo(
+            m.parameters(),
+            lr=1e-3,
+            block_size=32,
+            row_block=4,
+            precondition_frequency=1,
+            start_preconditioning_step=1,
+        ),
+        lambda model, world: shampoo_block_policy(32, row_block=4),
+    ),
 }
 
 
