@@ -4,7 +4,8 @@
         [--row-blocks 1024 128 32 8] [--worlds 64 256 1024] [--models ...]
 
 Every model of ``REAL_MODELS`` is planned as ``train`` shards it (one ``fully_shard``
-group per embedding, block and head; bf16, 128-byte alignment) with
+group per embedding, block and head; bf16, 128-byte alignment, up to ``fully_shard``'s
+default ``max_buffers`` buffers per group, as it plans them) with
 ``shampoo_block_policy(block_size, row_block=r)`` for each ``r`` of ``--row-blocks``.
 A rank's root cost is the sum, over the Shampoo blocks it holds, of ``m^3 + n^3`` (the
 two eigendecompositions of an ``m x n`` block); the table prints the most loaded rank
@@ -25,7 +26,7 @@ from raggedfsdp.models import get_config, param_groups
 from raggedfsdp.models.catalogue import REAL_MODELS
 from raggedfsdp.optim.muon import default_use_muon
 from raggedfsdp.optim.shampoo import blocks_of, root_cost, shampoo_block_policy
-from raggedfsdp.planner import TensorSpec, plan_buffer
+from raggedfsdp.planner import DEFAULT_MAX_BUFFERS, TensorSpec, plan_buffers
 
 
 def _is_shampoo(p) -> bool:
@@ -50,7 +51,8 @@ def rank_costs(model: str, world: int, size: int, row_block: int) -> dict:
                 TensorSpec(name=p.fqn, shape=p.shape, stack=p.stack, block_rows=rows_of[p.fqn])
                 for p in g.params
             ]
-            layout = plan_buffer(specs, world, dtype="bfloat16")
+            plan = plan_buffers(specs, world, dtype="bfloat16", max_buffers=DEFAULT_MAX_BUFFERS)
+            layout_of = {q.name: lay for lay in plan.layouts for q in lay.tensors}
             group = [0.0] * world
             g_cost = g_stats = g_numel = 0
             for p in g.params:
@@ -58,6 +60,7 @@ def rank_costs(model: str, world: int, size: int, row_block: int) -> dict:
                     continue
                 members = p.shape[0] if len(p.shape) == 3 else 1
                 rows, cols = p.shape[-2], p.shape[-1]
+                layout = layout_of[p.fqn]
                 t = layout[p.fqn]
                 g_numel += members * rows * cols
                 for b in blocks_of(members, rows, cols, size, row_block):
@@ -67,7 +70,7 @@ def rank_costs(model: str, world: int, size: int, row_block: int) -> dict:
                     group[first // layout.shard_size] += root_cost(b)
                     g_cost += root_cost(b)
                     g_stats += 2 * ((r1 - r0) ** 2 + (c1 - c0) ** 2)
-            cache[key] = (group, layout.padding, layout.total_numel, g_cost, g_stats, g_numel)
+            cache[key] = (group, plan.padding, plan.total_numel, g_cost, g_stats, g_numel)
         group, p_pad, p_total, g_cost, g_stats, g_numel = cache[key]
         load = [a + b for a, b in zip(load, group)]
         pad, total = pad + p_pad, total + p_total

@@ -30,9 +30,10 @@ are whole row blocks; it cuts them into column blocks itself.
 Why rows shorter than columns: the RaggedShard block is ``row_block * cols`` elements,
 and the planner pads every rank of a ``fully_shard`` group to a multiple of its blocks.
 Square 1024 blocks make it 1024 rows (4-15 M elements on a dense layer), more than a
-rank's share past a few dozen ranks: llama3-8b padded 662% at 64 ranks. 128 rows keep
-the padding within 1-10% at 64 ranks on the catalogue (and the MoE models at 256);
-dense models at 256-1024 ranks need ``row_block`` 8-32. The cost: per Shampoo element,
+rank's share past a few dozen ranks: llama3-8b padded 394% at 64 ranks. 128 rows keep
+the padding within 7% at 64 ranks on the catalogue (the MoE models up to 1024 ranks);
+dense models at 256-1024 ranks need ``row_block`` 8-32, or a shard group of at most 64
+ranks (HSDP). The cost: per Shampoo element,
 ``2 (m^2 + n^2) / (m n)`` elements of statistics and roots (4 for square blocks, 16 for
 128 x 1024, ~2 n / m) and ``(m^3 + n^3) / (m n)`` of root work (4x the square blocks'
 at 128 x 1024): the left roots shrink, the right roots multiply.
