@@ -361,14 +361,16 @@ def split_by_flag(
     flag: str,
     predicate: Callable[[str, Tensor], bool],
     who: str,
+    defaults: Mapping[bool, Mapping[str, Any]],
 ) -> dict | None:
     """A parameter group of an optimizer whose parameters take one of two updates (Muon's
     and Shampoo's matrices, or their AdamW part), chosen by the group's boolean ``flag``.
 
     Returns:
-        The group, its ``params`` a list, when it has ``flag``; None when it had none:
-        then it was split by ``predicate(name, param)`` into a group per value of the
-        flag, each added through ``optimizer.add_param_group``.
+        The group when it has ``flag``: its ``params`` a list, the flag a bool, and the
+        hyper-parameters it does not set taken from ``defaults[flag]``. None when it had
+        no ``flag``: then it was split by ``predicate(name, param)`` into a group per
+        value of the flag, each added through ``optimizer.add_param_group``.
 
     Raises:
         ValueError: a group with no parameters.
@@ -378,6 +380,9 @@ def split_by_flag(
     params = [params] if isinstance(params, Tensor) else list(params)
     if flag in group:
         group["params"] = params
+        group[flag] = bool(group[flag])
+        for k, v in defaults[group[flag]].items():
+            group.setdefault(k, v)
         return group
     first = len(optimizer.param_groups)
     split: dict[bool, list[Tensor]] = {True: [], False: []}

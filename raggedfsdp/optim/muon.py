@@ -313,13 +313,11 @@ class Muon(FlatAdamW):
     # ---- groups ---------------------------------------------------------------------------
     def add_param_group(self, param_group: dict) -> None:
         """Add a group; one without ``use_muon`` is split by the ``use_muon`` predicate."""
-        group = split_by_flag(self, param_group, "use_muon", self._use_muon, "Muon")
+        both = {True: self.defaults, False: self._adamw_defaults}
+        group = split_by_flag(self, param_group, "use_muon", self._use_muon, "Muon", both)
         if group is None:  # split by self._use_muon, each part added
             return
-        params = group["params"]
-        muon = bool(group["use_muon"])
-        for k, v in (self.defaults if muon else self._adamw_defaults).items():
-            group.setdefault(k, v)
+        params, muon = group["params"], group["use_muon"]
         _check_hyper(group, muon)
         if muon:
             named = [

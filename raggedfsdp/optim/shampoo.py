@@ -220,13 +220,11 @@ class Shampoo(FlatAdamW):
     # ---- groups ---------------------------------------------------------------------------
     def add_param_group(self, param_group: dict) -> None:
         """Add a group; one without ``use_shampoo`` is split by the ``use_shampoo`` predicate."""
-        group = split_by_flag(self, param_group, "use_shampoo", self._use_shampoo, "Shampoo")
+        both = {True: self.defaults, False: self._adamw_defaults}
+        group = split_by_flag(self, param_group, "use_shampoo", self._use_shampoo, "Shampoo", both)
         if group is None:  # split by self._use_shampoo, each part added
             return
-        params = group["params"]
-        shampoo = bool(group["use_shampoo"])
-        for k, v in (self.defaults if shampoo else self._adamw_defaults).items():
-            group.setdefault(k, v)
+        params, shampoo = group["params"], group["use_shampoo"]
         _check_hyper(group, shampoo)
         layouts = {}
         if shampoo:
