@@ -110,28 +110,19 @@ def _optimizer(model: nn.Module, args) -> torch.optim.Optimizer:
         return torch.optim.SGD(model.parameters(), lr=args.lr)
     from raggedfsdp.optim import AdamW, AdamW8bit, Muon, Shampoo, muon_param_groups
 
-    if args.optim == "shampoo":  # matrices to Shampoo; embeddings, head and vectors to AdamW
-        split = []
+    if args.optim in ("muon", "shampoo"):  # matrices to it; embeddings, head, vectors to AdamW
+        flag, split = f"use_{args.optim}", []
         for g in muon_param_groups(model, lr=args.lr):
             if g.pop("use_muon"):
-                split.append({**g, "use_shampoo": True, "weight_decay": args.weight_decay})
+                split.append({**g, flag: True, "weight_decay": args.weight_decay})
             else:
                 hyper = {k: v for k, v in g.items() if k not in ("params", "weight_decay")}
                 split += [
-                    {**d, "use_shampoo": False}
+                    {**d, flag: False}
                     for d in _decay_groups(g["params"], args.weight_decay, **hyper)
                 ]
-        return Shampoo(split, lr=args.lr, weight_decay=args.weight_decay)
-
-    if args.optim == "muon":  # matrices to Muon; embeddings, head and vectors to AdamW
-        split = []
-        for g in muon_param_groups(model, lr=args.lr):
-            if g["use_muon"]:
-                split.append({**g, "weight_decay": args.weight_decay})
-            else:
-                hyper = {k: v for k, v in g.items() if k not in ("params", "weight_decay")}
-                split += _decay_groups(g["params"], args.weight_decay, **hyper)
-        return Muon(split, lr=args.lr, weight_decay=args.weight_decay)
+        matrices = Muon if args.optim == "muon" else Shampoo
+        return matrices(split, lr=args.lr, weight_decay=args.weight_decay)
     flat = {"flat-adamw": AdamW, "adamw8bit": AdamW8bit}[args.optim]
     return flat(groups, lr=args.lr, weight_decay=args.weight_decay)
 
