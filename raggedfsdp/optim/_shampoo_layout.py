@@ -6,7 +6,7 @@ parameter's shape and placements, so the checks raise on every rank alike.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -339,7 +339,3 @@ def member_view(t: Tensor, lay: ShampooLayout, member: int) -> Tensor:
 def members_held(lay: ShampooLayout) -> list[int]:
     """The members (of the piece) this rank's blocks belong to, in order."""
     return sorted({b[0] for b in lay.blocks})
-
-
-def total_cost(blocks: Sequence[Block]) -> int:
-    return sum(root_cost(b) for b in blocks)
