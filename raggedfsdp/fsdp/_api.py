@@ -24,6 +24,7 @@ from raggedfsdp.fsdp._group_set import GroupSet
 from raggedfsdp.fsdp._mesh import dp_key, placement_and_mesh
 from raggedfsdp.fsdp._param_group import ParamGroup, ParamRef, ShardedState, group_specs
 from raggedfsdp.fsdp._policy import BlockPolicy, BlockRows, MixedPrecisionPolicy
+from raggedfsdp.fsdp._spmd import spmd_mesh
 from raggedfsdp.fsdp._state import FSDPState, resolve_reshard_after_forward, state_of
 from raggedfsdp.fsdp._subclass import subclass_params
 from raggedfsdp.fsdp._torch_state import register_torch_state
@@ -98,7 +99,10 @@ def fully_shard(
             sharded parameters, their gradients and the optimizer step on the CPU, the
             unsharded ones on the mesh's device (see [Note: CPU offload]).
         ignored_params: parameters left as they are (not sharded, not reduced).
-        dp_mesh_dims: FSDP2's data-parallel mesh dims; only None (a 1-D mesh).
+        dp_mesh_dims: torch's ``DataParallelMeshDims``: ``mesh`` is then the whole mesh of a
+            model whose parameters are DTensors on it, ``Replicate()`` on the named
+            data-parallel dims (``shard``, and ``replicate`` for HSDP); see [Note: the SPMD
+            mesh] in ``_spmd.py``. Default None.
         block_policy: rows per block, a ``BlockPolicy`` or a callable of
             ``(fqn, param)`` returning a positive int or ``"whole"``. Default 1 row.
         alignment_bytes: alignment of every shard start and tensor offset, in bytes.
@@ -195,8 +199,15 @@ def fully_shard(
                 "call torch.distributed.init_process_group first"
             )
         mesh = init_device_mesh(default_device_type(), (dist.get_world_size(),))
-    if dp_mesh_dims is not None:
-        _check_dp_mesh_dims(mesh, dp_mesh_dims)
+    spmd = None
+    if dp_mesh_dims is not None:  # see [Note: the SPMD mesh] in _spmd.py
+        spmd = spmd_mesh(mesh, dp_mesh_dims)
+        if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
+            raise NotImplementedError(
+                "reshard_after_forward as int is not yet supported with SPMD mesh "
+                "(dp_mesh_dims), as in FSDP2: pass True or False"
+            )
+        mesh = spmd.dp
     if mesh.ndim not in (1, 2):
         raise ValueError(
             f"fully_shard: mesh must be 1-D (FSDP) or 2-D (replicate, shard: HSDP), got a "
@@ -215,6 +226,12 @@ def fully_shard(
     if shard_placement_fn is not None:
         for i, (ref, p) in enumerate(zip(refs, originals)):
             placement, meshes[i] = placement_and_mesh(ref.fqn, shard_placement_fn(p), mesh)
+            if spmd is not None and meshes[i] is not mesh:
+                raise NotImplementedError(
+                    f"fully_shard: shard_placement_fn gives parameter {ref.fqn!r} a mesh of its "
+                    "own, with dp_mesh_dims; return None or Shard(d), or fully_shard those "
+                    "parameters in a call of their own"
+                )
             _check_placement(ref.fqn, p, placement)
     name = type(modules[0]).__name__ + (f" and {len(modules) - 1} more" if len(modules) > 1 else "")
     move_to_mesh_device(modules, originals, mesh, is_managed=lambda m: state_of(m) is None)
@@ -240,6 +257,7 @@ def fully_shard(
                 max_buffers,
                 buffer_alpha_bytes,
                 member_gaps,
+                spmd,
                 name=part_name,
                 offload=isinstance(offload_policy, CPUOffloadPolicy),
                 pin_memory=getattr(offload_policy, "pin_memory", True),
@@ -351,38 +369,6 @@ def _aligned_where_rows_allow(specs, itemsize: int, at) -> Sequence[BufferLayout
 def _leaves_a_rank_empty(layout: BufferLayout, world: int) -> bool:
     """Whether some rank holds none of a tensor that has a row for every rank."""
     return any(t.shape[0] >= world and 0 in layout.local_units(t.name) for t in layout.tensors)
-
-
-def _check_dp_mesh_dims(mesh: DeviceMesh, dims) -> None:
-    """FSDP2's checks of torch's ``DataParallelMeshDims`` (ValueError), then
-    NotImplementedError."""
-    names: list[str] = []
-    if hasattr(dims, "shard") or hasattr(dims, "replicate"):
-        shard, replicate = getattr(dims, "shard", None), getattr(dims, "replicate", None)
-        if shard is None and replicate is None:
-            raise ValueError(
-                "fully_shard: dp_mesh_dims must name a shard or a replicate mesh dim, got neither"
-            )
-        names = [n for d in (shard, replicate) if d is not None for n in _as_names(d)]
-        if mesh.mesh_dim_names is None:
-            raise ValueError(
-                f"fully_shard: dp_mesh_dims names mesh dims {names}, but the mesh has no "
-                "mesh_dim_names: init_device_mesh(..., mesh_dim_names=...)"
-            )
-        unknown = [n for n in names if n not in mesh.mesh_dim_names]
-        if unknown:
-            raise ValueError(
-                f"fully_shard: dp_mesh_dims names {unknown}, not dims of the mesh "
-                f"{mesh.mesh_dim_names}"
-            )
-    raise NotImplementedError(
-        "fully_shard: dp_mesh_dims is not supported: raggedfsdp shards over a 1-D or 2-D data-"
-        f"parallel mesh; pass mesh=those mesh dims instead (mesh[{tuple(names)!r}])"
-    )
-
-
-def _as_names(dim) -> tuple[str, ...]:
-    return (dim,) if isinstance(dim, str) else tuple(dim)
 
 
 def _check_placement(fqn: str, param: nn.Parameter, placement) -> None:
@@ -508,11 +494,22 @@ def _check_gaps_beside_tp(refs, specs, gaps) -> None:
 
 
 def _new_group(
-    refs, originals, mesh, mp_policy, block_policy, alignment_bytes, max_buffers, alpha, gaps, **kw
+    refs,
+    originals,
+    mesh,
+    mp_policy,
+    block_policy,
+    alignment_bytes,
+    max_buffers,
+    alpha,
+    gaps,
+    spmd,
+    **kw,
 ):
     """The buffers of one mesh of a ``fully_shard`` call: one ``ParamGroup`` per buffer
-    (several where the planner splits the group: see [Note: multi-buffer groups])."""
-    specs, dtypes = group_specs(refs, originals, mesh, block_policy)
+    (several where the planner splits the group: see [Note: multi-buffer groups]).
+    ``spmd``: the whole mesh of a ``dp_mesh_dims`` call, or None."""
+    specs, dtypes = group_specs(refs, originals, mesh, block_policy, spmd)
     if gaps:
         _check_gaps_beside_tp(refs, specs, gaps)
     fp8 = mp_policy.all_gather

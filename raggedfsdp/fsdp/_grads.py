@@ -156,12 +156,19 @@ class GradientPath:
         if not self.needs_post_backward:
             return grad
         if self._in_place:
-            self._grad_over_param(ref)
-        elif not self.dbuf.global_grads.allocated:
-            self._alloc_grads()
+            self._grad_over_param(ref, grad)
+        else:
+            if not self.dbuf.global_grads.allocated:
+                self._alloc_grads()
+            tp, p, view = ref.tp, ref.unsharded, ref.assigned_grad
+            if tp is not None and tp.dp_axes and p is not None and p.grad is view:
+                # the data-parallel dims keep the gradient's placements: [Note: the SPMD mesh]
+                if cast(DTensor, view).placements != tp.grad_placements(grad):
+                    self._point_at_storage(ref, grad)
+                    p.grad = ref.assigned_grad
         return grad
 
-    def _grad_over_param(self, ref: ParamRef) -> None:
+    def _grad_over_param(self, ref: ParamRef, like: torch.Tensor | None = None) -> None:
         """Point ``ref``'s unsharded ``.grad`` at its own parameter's storage, zeroed.
 
         [Note: gradients in place]
@@ -208,7 +215,7 @@ class GradientPath:
         ref.grad_in_place = True
         grad = self.dbuf.global_grad_view(ref.fqn, in_params=True)
         grad.zero_()
-        ref.assigned_grad = grad if ref.tp is None else ref.tp.unsharded(grad, False)
+        ref.assigned_grad = grad if ref.tp is None else ref.tp.grad_view(grad, like)
         assert ref.unsharded is not None  # its tensor hook called this
         ref.unsharded.grad = ref.assigned_grad
 
@@ -263,9 +270,9 @@ class GradientPath:
                 self._point_at_storage(ref)
                 ref.unsharded.grad = ref.assigned_grad
 
-    def _point_at_storage(self, ref: ParamRef) -> None:
+    def _point_at_storage(self, ref: ParamRef, like: torch.Tensor | None = None) -> None:
         grad = self.dbuf.global_grad_view(ref.fqn)
-        ref.assigned_grad = grad if ref.tp is None else ref.tp.unsharded(grad, False)
+        ref.assigned_grad = grad if ref.tp is None else ref.tp.grad_view(grad, like)
 
     def _adopt_replaced_grads(self) -> None:
         """Copy into the gradient storage every unsharded ``.grad`` that is not the view
@@ -295,7 +302,7 @@ class GradientPath:
             assigned = ref.assigned_grad
             target = cast(DTensor, assigned).to_local() if ref.tp is not None else assigned
             grad = grad.detach()
-            target.copy_(cast(DTensor, grad).to_local() if ref.tp is not None else grad)
+            target.copy_(ref.tp.grad_local(grad) if ref.tp is not None else grad)
             p.grad = ref.assigned_grad
             ref.got_grad = True
 

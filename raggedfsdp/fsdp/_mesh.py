@@ -33,6 +33,7 @@ from torch.distributed.tensor import Shard
 
 __all__ = [
     "compose",
+    "concat_dims",
     "dim_group_ranks",
     "dp_key",
     "placement_and_mesh",
@@ -116,7 +117,16 @@ def compose(tp_mesh: DeviceMesh, dp_mesh: DeviceMesh) -> DeviceMesh:
         ValueError: the two meshes share ranks other than this one (they overlap: the
             parameter's mesh runs along a data-parallel dim).
     """
-    return _concat([tp_mesh, *(_dim_mesh(dp_mesh, d) for d in range(dp_mesh.ndim))])
+    return concat_dims([tp_mesh], dp_mesh)
+
+
+def concat_dims(first: list[DeviceMesh], dp_mesh: DeviceMesh) -> DeviceMesh:
+    """The mesh of the 1-D meshes ``first`` (in order), then ``dp_mesh``'s dims.
+
+    Raises:
+        ValueError: the meshes overlap (a rank grid that repeats a rank).
+    """
+    return _concat([*first, *(_dim_mesh(dp_mesh, d) for d in range(dp_mesh.ndim))])
 
 
 def _concat(meshes: list[DeviceMesh]) -> DeviceMesh:

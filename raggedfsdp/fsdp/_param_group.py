@@ -17,6 +17,7 @@ from raggedfsdp.fsdp._grads import GradientPath, mark_got_grad
 from raggedfsdp.fsdp._hooks import reads_no_parameters
 from raggedfsdp.fsdp._policy import MixedPrecisionPolicy, resolve_block_rows
 from raggedfsdp.fsdp._records import ParamRef, PendingGather, PendingReduce, ShardedState
+from raggedfsdp.fsdp._spmd import SPMDMesh
 from raggedfsdp.fsdp._state import PostForwardGroup
 from raggedfsdp.fsdp._subclass import SubclassGather, values_of
 from raggedfsdp.fsdp._tp import tp_spec_of
@@ -46,22 +47,26 @@ def owner_of(param: torch.Tensor) -> tuple[ParamGroup, ParamRef] | None:
     return group, group.refs[index]
 
 
-def _laid_out(refs, originals, mesh) -> list[torch.Tensor]:
+def _laid_out(refs, originals, mesh, spmd: SPMDMesh | None) -> list[torch.Tensor]:
     """What a group lays out: each parameter's local tensor (its TP piece, if any); sets
-    each ``ref.tp`` (see [Note: FSDP x TP] in ``_tp.py``)."""
+    each ``ref.tp`` (see [Note: FSDP x TP] in ``_tp.py``, [Note: the SPMD mesh] in
+    ``_spmd.py``)."""
     for ref, p in zip(refs, originals):
-        ref.tp = tp_spec_of(ref.fqn, p, mesh)
+        ref.tp = tp_spec_of(ref.fqn, p, mesh) if spmd is None else spmd.spec_of(ref.fqn, p)
     return [p.to_local() if ref.tp is not None else p for ref, p in zip(refs, originals)]
 
 
-def group_specs(refs, originals, mesh, block_policy) -> tuple[list[TensorSpec], list]:
+def group_specs(
+    refs, originals, mesh, block_policy, spmd: SPMDMesh | None = None
+) -> tuple[list[TensorSpec], list]:
     """The planner's view of a group's parameters, and each one's dtype (a buffer holds
-    one dtype: a group of several is planned into one buffer per dtype).
+    one dtype: a group of several is planned into one buffer per dtype). ``spmd``: the
+    whole mesh of a ``dp_mesh_dims`` call, whose data-parallel mesh is ``mesh``.
 
     Raises:
         NotImplementedError: a 0-d parameter.
     """
-    local = _laid_out(refs, originals, mesh)
+    local = _laid_out(refs, originals, mesh, spmd)
     specs = []
     for ref, p, as_held in zip(refs, local, originals):  # block policies see them as held
         if p.dim() == 0:
@@ -212,9 +217,10 @@ class ParamGroup(GradientPath):
         return self.state is ShardedState.UNSHARDED and self._gather is None
 
     def placements(self, ref: ParamRef) -> list:
-        """The sharded parameter's placements: its TP placement (FSDP x TP), ``[Replicate()]``
-        on the replicate dim (HSDP), then its RaggedShard."""
-        tp = list(ref.tp.placements) if ref.tp is not None else []
+        """The sharded parameter's placements: its TP placement (FSDP x TP; the model dims'
+        on the SPMD mesh), ``[Replicate()]`` on the replicate dim (HSDP), then its
+        RaggedShard."""
+        tp = list(ref.tp.model_placements) if ref.tp is not None else []
         return tp + [Replicate()] * (self.mesh.ndim - 1) + [ref.placement]
 
     def param_mesh(self, ref: ParamRef):

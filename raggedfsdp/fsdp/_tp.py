@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from raggedfsdp.fsdp._mesh import compose, dim_group_ranks, same_ranks_dim
@@ -42,13 +42,22 @@ __all__ = ["TPSpec", "tp_spec_of"]
 
 @dataclass(frozen=True)
 class TPSpec:
-    """How tensor parallelism placed one parameter, and the mesh its sharded form lives on."""
+    """How tensor parallelism placed one parameter, and the mesh its sharded form lives on.
 
-    mesh: DeviceMesh  # the parameter's 1-D tp mesh
+    Two kinds: FSDP x TP (``mesh`` is the 1-D tp mesh, ``model_placements`` its placements)
+    and the SPMD mesh (``mesh`` is the whole mesh given to ``fully_shard`` with
+    ``dp_mesh_dims``; ``dp_axes`` are its data-parallel dims, ``Replicate()`` in
+    ``placements``, and ``model_placements`` are those of its other dims: see [Note: the
+    SPMD mesh] in ``_spmd.py``).
+    """
+
+    mesh: DeviceMesh  # the parameter's mesh: the 1-D tp mesh, or the whole SPMD mesh
     placements: tuple  # on ``mesh``: Shard(d) or Replicate()
     shape: torch.Size  # global
     stride: tuple[int, ...]  # global
-    composed_mesh: DeviceMesh  # (tp, *dp dims)
+    composed_mesh: DeviceMesh  # (model dims..., *dp dims): the sharded parameter's mesh
+    model_placements: tuple  # on composed_mesh's model dims (all of ``placements`` for TP)
+    dp_axes: tuple[int, ...] = ()  # SPMD: the dims of ``mesh`` the group's collectives reduce
 
     def spec(self, dtype: torch.dtype) -> DTensorSpec:
         """The unsharded parameter's DTensor spec (the module's own TP spec)."""
@@ -59,6 +68,45 @@ class TPSpec:
     def unsharded(self, local: torch.Tensor, requires_grad: bool) -> DTensor:
         """``local`` (a view of the global storage) as the module's TP DTensor."""
         return DTensor(local, self.spec(local.dtype), requires_grad=requires_grad)
+
+    def grad_view(self, local: torch.Tensor, like: torch.Tensor | None = None) -> DTensor:
+        """``local`` (a view of the global gradient storage) as the unsharded ``.grad``.
+
+        Under FSDP x TP it is placed as the parameter. On the SPMD mesh the data-parallel
+        dims take the placements of ``like``, the gradient autograd is about to add into
+        it (``Partial()`` when ``like`` is None: the gradient of a parameter replicated
+        over the batch's dims), so that accumulating it is a local add, as FSDP2 keeps a
+        gradient's placements on those dims and reduces its local tensor.
+        """
+        if not self.dp_axes:
+            return self.unsharded(local, False)
+        spec = DTensorSpec(
+            self.mesh,
+            self.grad_placements(like),
+            tensor_meta=TensorMeta(self.shape, self.stride, local.dtype),
+        )
+        return DTensor(local, spec, requires_grad=False)
+
+    def grad_placements(self, like: torch.Tensor | None) -> tuple:
+        """The placements of ``grad_view(..., like)``."""
+        given = like.placements if isinstance(like, DTensor) else None
+        return tuple(
+            (given[i] if given is not None else Partial()) if i in self.dp_axes else p
+            for i, p in enumerate(self.placements)
+        )
+
+    def grad_local(self, grad: torch.Tensor) -> torch.Tensor:
+        """The local tensor of a gradient of the unsharded parameter, its model dims placed
+        as the parameter's (redistributed where they differ, as FSDP2 does), its
+        data-parallel dims as they are."""
+        if not isinstance(grad, DTensor):
+            return grad
+        target = tuple(
+            grad.placements[i] if i in self.dp_axes else p for i, p in enumerate(self.placements)
+        )
+        if tuple(grad.placements) != target:
+            grad = grad.redistribute(placements=target)
+        return grad._local_tensor
 
 
 def tp_spec_of(fqn: str, param: torch.Tensor, dp_mesh: DeviceMesh) -> TPSpec | None:
@@ -103,4 +151,4 @@ def tp_spec_of(fqn: str, param: torch.Tensor, dp_mesh: DeviceMesh) -> TPSpec | N
             f"{where}, which overlaps the fully_shard mesh {dp_mesh} ({e}); parallelize it on "
             "a mesh of other ranks than the data-parallel ones"
         ) from None
-    return TPSpec(mesh, placements, param.shape, tuple(param.stride()), composed)
+    return TPSpec(mesh, placements, param.shape, tuple(param.stride()), composed, placements)

@@ -272,7 +272,7 @@ def _check_refusals(rank, world):
     mesh = init_device_mesh("cpu", (world,))
     with pytest.raises(ValueError, match=r"shard_placement_fn gives parameter 'weight'"):
         raggedfsdp.fully_shard(nn.Linear(4, 4), mesh=mesh, shard_placement_fn=lambda p: Shard(2))
-    with pytest.raises(NotImplementedError, match="dp_mesh_dims is not supported"):
+    with pytest.raises(ValueError, match="dp_mesh_dims must be torch.distributed.fsdp"):
         raggedfsdp.fully_shard(nn.Linear(4, 4), mesh=mesh, dp_mesh_dims=object())
     with pytest.raises(ValueError, match="mp_policy must be a MixedPrecisionPolicy"):
         raggedfsdp.fully_shard(nn.Linear(4, 4), mesh=mesh, mp_policy="bf16")
