@@ -24,7 +24,7 @@ from raggedfsdp.fsdp._group_set import GroupSet
 from raggedfsdp.fsdp._mesh import dp_key, placement_and_mesh
 from raggedfsdp.fsdp._param_group import ParamGroup, ParamRef, ShardedState, group_specs
 from raggedfsdp.fsdp._policy import BlockPolicy, BlockRows, MixedPrecisionPolicy
-from raggedfsdp.fsdp._spmd import spmd_mesh
+from raggedfsdp.fsdp._spmd import spmd_mesh, spmd_of_placement
 from raggedfsdp.fsdp._state import FSDPState, resolve_reshard_after_forward, state_of
 from raggedfsdp.fsdp._subclass import subclass_params
 from raggedfsdp.fsdp._torch_state import register_torch_state
@@ -223,15 +223,14 @@ def fully_shard(
     resolve_reshard_after_forward(reshard_after_forward, mesh.size(-1))  # raises on bad input
     refs, originals = _collect_params(modules, set(ignored_params or ()))
     meshes = [mesh] * len(refs)  # each parameter's data-parallel mesh
+    spmds = [spmd] * len(refs)  # and its whole SPMD mesh (dp_mesh_dims)
     if shard_placement_fn is not None:
         for i, (ref, p) in enumerate(zip(refs, originals)):
-            placement, meshes[i] = placement_and_mesh(ref.fqn, shard_placement_fn(p), mesh)
+            result = shard_placement_fn(p)
+            placement, meshes[i] = placement_and_mesh(ref.fqn, result, mesh)
             if spmd is not None and meshes[i] is not mesh:
-                raise NotImplementedError(
-                    f"fully_shard: shard_placement_fn gives parameter {ref.fqn!r} a mesh of its "
-                    "own, with dp_mesh_dims; return None or Shard(d), or fully_shard those "
-                    "parameters in a call of their own"
-                )
+                own = spmds[i] = spmd_of_placement(ref.fqn, result)
+                meshes[i] = own.dp
             _check_placement(ref.fqn, p, placement)
     name = type(modules[0]).__name__ + (f" and {len(modules) - 1} more" if len(modules) > 1 else "")
     move_to_mesh_device(modules, originals, mesh, is_managed=lambda m: state_of(m) is None)
@@ -242,7 +241,8 @@ def fully_shard(
     # GroupSet whose buffers live on different meshes.
     by_mesh: dict[tuple, list[int]] = {}
     for i, param_mesh in enumerate(meshes):
-        by_mesh.setdefault(dp_key(param_mesh), []).append(i)
+        own = spmds[i]
+        by_mesh.setdefault((*dp_key(param_mesh), None if own is None else own.full), []).append(i)
     parts = []
     for k, mine in enumerate(by_mesh.values()):
         part_name = name if len(by_mesh) == 1 else f"{name}[mesh {k}]"
@@ -257,7 +257,7 @@ def fully_shard(
                 max_buffers,
                 buffer_alpha_bytes,
                 member_gaps,
-                spmd,
+                spmds[mine[0]],
                 name=part_name,
                 offload=isinstance(offload_policy, CPUOffloadPolicy),
                 pin_memory=getattr(offload_policy, "pin_memory", True),
@@ -613,7 +613,7 @@ def _fp8_selected(refs, specs, dtypes, fp8: Float8BlockAllGather, kw) -> set[int
             "fully_shard: FP8 all-gather (MixedPrecisionPolicy.all_gather) with CPU offload "
             "is not supported yet; drop one of them"
         )
-    tp = [ref.fqn for ref in refs if ref.tp is not None]
+    tp = [ref.fqn for ref in refs if ref.tp is not None and ref.tp.model_parallel]
     if tp:
         raise NotImplementedError(
             f"fully_shard: FP8 all-gather (MixedPrecisionPolicy.all_gather) on a tensor-"

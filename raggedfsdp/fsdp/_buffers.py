@@ -248,7 +248,7 @@ class BufferView:
     def tensor_parallel(self) -> bool:
         """Whether some parameter is also placed by tensor parallelism: its sharded DTensor
         lives on the ``(tp, *mesh)`` mesh (see [Note: FSDP x TP] in ``_tp.py``)."""
-        return any(ref.tp is not None for ref in self._group.refs)
+        return any(ref.tp is not None and ref.tp.model_parallel for ref in self._group.refs)
 
     def grads_are_views(self) -> bool:
         """Whether every trainable parameter's ``.grad`` is its view of ``shard_grad``.

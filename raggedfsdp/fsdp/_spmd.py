@@ -27,10 +27,14 @@ So a sharded model of this mode is the one classic ``fully_shard(mesh=mesh['dp']
 of the same TP model: optimizers, checkpoints and reshards see the same DTensors, and a
 checkpoint moves between the two modes.
 
+A parameter that ``shard_placement_fn`` gives a mesh of its own (torch's
+``ShardPlacementResult``, its mesh info holding its whole mesh and data-parallel dims: the
+routed experts of torchtitan's MoE on their sparse mesh) is read the same way from its
+own whole mesh, in buffers of its own ([Note: a mesh per parameter] in ``_api.py``).
+
 Not taken (each refused by name): a mesh without a shard dim (``replicate`` alone: DDP),
-an int ``reshard_after_forward`` (FSDP2 refuses it too), ``shard_placement_fn`` giving a
-parameter its own mesh, and placements other than ``Shard(d)`` / ``Replicate()`` on the
-model dims.
+an int ``reshard_after_forward`` (FSDP2 refuses it too), and placements other than
+``Shard(d)`` / ``Replicate()`` on the model dims.
 """
 
 from __future__ import annotations
@@ -44,7 +48,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from raggedfsdp.fsdp._mesh import concat_dims
 from raggedfsdp.fsdp._tp import TPSpec
 
-__all__ = ["SPMDMesh", "spmd_mesh"]
+__all__ = ["SPMDMesh", "spmd_mesh", "spmd_of_placement"]
 
 
 @dataclass(frozen=True)
@@ -154,6 +158,25 @@ def spmd_mesh(mesh: DeviceMesh, dims) -> SPMDMesh:
     dp_axes = tuple(sorted(names.index(n) for n in (*shard, *replicate)))
     model_axes = tuple(i for i in range(mesh.ndim) if i not in dp_axes)
     return SPMDMesh(mesh, dp, dp_axes, model_axes)
+
+
+def spmd_of_placement(fqn: str, result) -> SPMDMesh:
+    """The ``SPMDMesh`` of a parameter that ``shard_placement_fn`` gives a mesh of its own
+    (torch's ``ShardPlacementResult``) in a ``dp_mesh_dims`` call: its mesh info names its
+    whole mesh and data-parallel dims (torchtitan's routed experts on their sparse mesh).
+
+    Raises:
+        NotImplementedError: mesh info without them (a classic data-parallel mesh).
+    """
+    info = result.mesh_info
+    full, dims = getattr(info, "spmd_mesh", None), getattr(info, "dp_mesh_dims", None)
+    if full is None or dims is None:
+        raise NotImplementedError(
+            f"fully_shard: shard_placement_fn gives parameter {fqn!r} a classic data-parallel "
+            "mesh in a dp_mesh_dims call; give it the mesh info of its whole mesh "
+            "(_get_mesh_info(mesh, dp_mesh_dims)), or return None or Shard(d)"
+        )
+    return spmd_mesh(full, dims)
 
 
 def _names(dim) -> tuple[str, ...]:

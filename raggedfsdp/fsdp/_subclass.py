@@ -144,7 +144,8 @@ def _pre_all_gather_args(t: torch.Tensor, what: str) -> int:
 
 
 def _check_supported(ref, local: torch.Tensor, spec, what: str, fp8: bool, offload: bool) -> None:
-    if ref.tp is not None:
+    if ref.tp is not None and ref.tp.model_parallel:
+        # a DTensor on the SPMD mesh's data-parallel dims alone is gathered as a classic one
         raise NotImplementedError(
             f"{what} inside a tensor-parallel DTensor; the all-gather protocol under FSDP x TP "
             "is not supported yet: fully_shard such modules without tensor parallelism"

@@ -59,6 +59,13 @@ class TPSpec:
     model_placements: tuple  # on composed_mesh's model dims (all of ``placements`` for TP)
     dp_axes: tuple[int, ...] = ()  # SPMD: the dims of ``mesh`` the group's collectives reduce
 
+    @property
+    def model_parallel(self) -> bool:
+        """Whether the sharded parameter's mesh has model dims before the data-parallel
+        ones (FSDP x TP; the SPMD mesh with tp, cp... dims). False for a parameter of the
+        SPMD mesh that has only data-parallel dims: its sharded form is a classic one."""
+        return bool(self.model_placements)
+
     def spec(self, dtype: torch.dtype) -> DTensorSpec:
         """The unsharded parameter's DTensor spec (the module's own TP spec)."""
         return DTensorSpec(

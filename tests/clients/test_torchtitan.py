@@ -67,11 +67,24 @@ backends alike and none knows about raggedfsdp:
    and the shim wraps ``Float8Linear.__init__`` to wrap the weight as ``from_float`` does
    when that flag is on. Without the flag (every other configuration) it does nothing.
 
-Not shims, but torchtitan's own options or inputs: ``--parallelism.spmd_backend
-partial_dtensor`` (the default ``spmd_types`` passes ``dp_mesh_dims`` with parameters
-annotated for a newer torch; torch 2.13's FSDP2 itself refuses them: "When dp_mesh_dims is
-provided, all parameters must be DTensors on the full SPMD mesh"),
-``--training.disable_cuda_graphs`` (CUDA graphs are on by default),
+The backend: ``--parallelism.spmd_backend full_dtensor``. torchtitan's default,
+``spmd_types``, passes ``dp_mesh_dims`` with parameters annotated for a newer torch, and
+torch 2.13's FSDP2 itself refuses them ("When dp_mesh_dims is provided, all parameters must
+be DTensors on the full SPMD mesh"): ``test_default_backend_refused_as_fsdp2`` runs that
+default and checks that raggedfsdp refuses it at the same call with the same exception and
+message. ``full_dtensor`` is the nearest backend that runs: its parameters are DTensors on
+the whole mesh and ``fully_shard`` gets ``dp_mesh_dims`` (torch 2.13's SPMD mesh). One
+configuration, ``compile``, runs on ``partial_dtensor`` (classic meshes): under
+``full_dtensor``, FSDP2's compiled run fails in torch 2.13 itself ("expected all
+tensors_saved_with_vc_check to be Tensors", a ``DeviceMesh`` among the saved tensors of
+the checkpointed block), so there is no FSDP2 run to compare with. A checkpoint is resumed
+in new processes (a second spawn), as a user resumes: in one process torch's DTensor
+sharding cache hands the second trainer's parameters the first trainer's (equal) mesh
+object, which FSDP2 refuses ("Expected param's DTensor mesh to be the same mesh passed to
+fully_shard").
+
+Not shims, but torchtitan's own options or inputs: ``--training.disable_cuda_graphs``
+(CUDA graphs are on by default),
 ``--training.mixed_precision_param float32`` where the configuration is fp32 (the default
 is bf16), a small batch and sequence, a byte-level BPE tokenizer (vocabulary under the
 model's 2048) and a ``c4_test``-style JSON-lines dataset made in the test's temporary
@@ -481,7 +494,7 @@ def _argv(tok: Path, data: Path, *extra: str) -> list[str]:
         "--debug.seed", str(SEED),
         "--metrics.log_freq", "1",
         "--validator.no-enable",
-        "--parallelism.spmd_backend", "partial_dtensor",
+        "--parallelism.spmd_backend", "full_dtensor",  # the default, spmd_types: see above
         *extra,
     ]  # fmt: skip
 
@@ -500,9 +513,10 @@ CONFIGS: dict[str, list[list[str]]] = {
     "full_ac": [[*FP32, "activation-checkpoint:full"]],
     "bf16_param_fp32_reduce": [["--training.mixed_precision_param", "bfloat16"]],
     "accumulate_2_microbatches": [[*FP32, "--training.global_batch_size", "8"]],
-    "compile": [[*FP32, "--compile.enable"]],
-    # CheckpointManager: save at steps 3 and 6, then a second run loads step 3 and
-    # trains steps 4-6 again
+    # on classic meshes: FSDP2 itself fails compiled under full_dtensor (module docstring)
+    "compile": [[*FP32, "--compile.enable", "--parallelism.spmd_backend", "partial_dtensor"]],
+    # CheckpointManager: save at steps 3 and 6, then a second run (new processes) loads
+    # step 3 and trains steps 4-6 again
     "checkpoint_save_then_resume": [CKPT, [*CKPT, "--checkpoint.load_step", "3"]],
     # torchao float8 training, emulated, with FSDP float8 all-gather (shim 7)
     "float8_fsdp_all_gather": [[*FP32, *FLOAT8]],
@@ -533,11 +547,18 @@ def _compare(results: dict) -> None:
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_losses_equal_fsdp2(name, assets, tmp_path):
-    out = tmp_path / "losses.json"
-    argvs = [_argv(*assets, *extra) for extra in CONFIGS[name]]
-    spawn(WORLD, _run_both, str(tmp_path), argvs, SEED, str(out), timeout=TIMEOUT)
-    results = json.loads(out.read_text())
-    hooks = results.pop("float8_hooks")
+    results: dict = {}
+    for k, extra in enumerate(CONFIGS[name]):  # each run in new processes
+        out = tmp_path / f"losses{k}.json"
+        argv = [_argv(*assets, *extra)]
+        spawn(WORLD, _run_both, str(tmp_path), argv, SEED, str(out), timeout=TIMEOUT)
+        for key, value in json.loads(out.read_text()).items():
+            results.setdefault(key, []).append(value)
+    argvs = CONFIGS[name]
+    hooks = results.pop("float8_hooks")[0]
+    results = {
+        backend: [run for runs in value for run in runs] for backend, value in results.items()
+    }
     assert [s for s, _, _ in results["fsdp2"][0]] == list(range(1, STEPS + 1))
     if len(argvs) == 2:  # resumed: steps 4-6 again, as the uninterrupted run had them
         for backend, (full, resumed) in results.items():
@@ -552,3 +573,32 @@ def test_losses_equal_fsdp2(name, assets, tmp_path):
         # no more gathers than FSDP2 (a chunk's backward prefetches no block for the
         # trunk's; FSDP2 wastes one such prefetch a step)
         assert hooks["raggedfsdp"]["pre"] <= hooks["fsdp2"]["pre"], hooks
+
+
+def _default_backend(rank, world, tmp: str, argv: list[str], out: str) -> None:
+    """torchtitan with its default ``spmd_types`` backend, FSDP2 then raggedfsdp: rank 0
+    writes what each raised (type and message) to ``out``."""
+    errors = {}
+    for backend in ("fsdp2", "raggedfsdp"):
+        try:
+            _run_both(rank, world, tmp, [argv], SEED, os.path.join(tmp, "x.json"), (backend,))
+            errors[backend] = None
+        except Exception as e:
+            errors[backend] = [type(e).__name__, str(e)]
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(errors, f)
+
+
+def test_default_backend_refused_as_fsdp2(assets, tmp_path):
+    """torchtitan's default backend (``spmd_types``) on torch 2.13: FSDP2 refuses its
+    parameters at ``fully_shard``; raggedfsdp refuses them at the same call, with the same
+    exception type and FSDP2's message (its own adds the fix)."""
+    argv = [a if a != "full_dtensor" else "spmd_types" for a in _argv(*assets, *FP32)]
+    out = tmp_path / "errors.json"
+    spawn(WORLD, _default_backend, str(tmp_path), argv, str(out), timeout=TIMEOUT)
+    errors = json.loads(out.read_text())
+    fsdp2, ours = errors["fsdp2"], errors["raggedfsdp"]
+    assert fsdp2 is not None and fsdp2[0] == "ValueError", errors
+    assert ours is not None and ours[0] == fsdp2[0], errors
+    assert ours[1].startswith(fsdp2[1].rstrip(".")), errors

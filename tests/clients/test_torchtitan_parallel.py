@@ -2,11 +2,14 @@
 
 The runs of ``test_torchtitan.py`` (its shims, its assets, its ``_run_both``: FSDP2 first,
 then the same run with ``torchtitan.distributed.fsdp.fully_shard`` bound to
-``raggedfsdp.fully_shard``), on 4 gloo ranks with torchtitan's own parallelism options:
+``raggedfsdp.fully_shard``), on 4 gloo ranks with torchtitan's own parallelism options,
+under the ``full_dtensor`` backend (see that file for why not the default ``spmd_types``):
+every parameter is a DTensor on torchtitan's whole storage mesh and every ``fully_shard``
+gets that mesh with ``dp_mesh_dims`` (torch 2.13's SPMD mesh):
 
 - **llama3 debugmodel, TP 2 x FSDP 2** (``--parallelism.tensor_parallel_degree 2
-  --parallelism.data_parallel_shard_degree 2``): torchtitan unflattens one 1-D world mesh
-  into its tp and fsdp meshes (two unflattens), so neither name is in a common root mesh;
+  --parallelism.data_parallel_shard_degree 2``): the parameters are placed ``Shard(d)`` or
+  ``Replicate()`` on ``tp`` and ``Replicate()`` on ``dp_shard`` of one mesh;
 - **qwen3 MoE, EP 2** (``--parallelism.expert_parallel_degree 2``, dp shard 4): the experts
   get the 2-rank ``efsdp`` mesh through ``shard_placement_fn`` returning torch's
   ``ShardPlacementResult``, the rest of each block the 4-rank ``fsdp`` mesh. The model is
@@ -15,9 +18,9 @@ then the same run with ``torchtitan.distributed.fsdp.fully_shard`` bound to
   layers, 8 experts (so ``efsdp * ep`` = 4 does not exceed them: experts sharded on
   ``Shard(0)``) of hidden size 64, top 2, so that a step takes seconds on the CPU;
 - **llama3 debugmodel, HSDP 2 x 2** (``--parallelism.data_parallel_replicate_degree 2
-  --parallelism.data_parallel_shard_degree 2``): every ``fully_shard`` gets torchtitan's
-  2-D ``(dp_replicate, fsdp)`` mesh: buffers sharded over 2 ranks, their gradients
-  reduce-scattered over ``fsdp``, then all-reduced over ``dp_replicate``;
+  --parallelism.data_parallel_shard_degree 2``): ``dp_mesh_dims`` names ``dp_shard`` and
+  ``dp_replicate``: buffers sharded over 2 ranks, their gradients reduce-scattered over
+  the shard dim, then all-reduced over the replicate dim;
 - **llama3 debugmodel, PP 2 x FSDP 2** (``--parallelism.pipeline_parallel_degree 2
   --parallelism.data_parallel_shard_degree 2``, schedule ``1F1B``, 2 microbatches of 1):
   each rank's stage is one ``fully_shard`` root, driven by ``torch.distributed.pipelining``:
