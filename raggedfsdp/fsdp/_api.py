@@ -241,8 +241,8 @@ def fully_shard(
     # GroupSet whose buffers live on different meshes.
     by_mesh: dict[tuple, list[int]] = {}
     for i, param_mesh in enumerate(meshes):
-        own = spmds[i]
-        by_mesh.setdefault((*dp_key(param_mesh), None if own is None else own.full), []).append(i)
+        whole = spmds[i]
+        by_mesh.setdefault((*dp_key(param_mesh), whole and whole.full), []).append(i)
     parts = []
     for k, mine in enumerate(by_mesh.values()):
         part_name = name if len(by_mesh) == 1 else f"{name}[mesh {k}]"
