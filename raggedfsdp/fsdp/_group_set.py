@@ -96,6 +96,10 @@ class GroupSet:
         for g in self.groups:
             g.adopt_assigned(prefix)
 
+    def adopt_registered(self) -> None:
+        for g in self.groups:
+            g.adopt_registered()
+
     # ---- gradients -------------------------------------------------------------------------
     def release_dropped_grads(self) -> None:
         for g in self.groups:
