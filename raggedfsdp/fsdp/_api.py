@@ -229,23 +229,23 @@ def fully_shard(
     parts = []
     for k, mine in enumerate(by_mesh.values()):
         part_name = name if len(by_mesh) == 1 else f"{name}[mesh {k}]"
-        parts.append(
-            _new_group(
-                [refs[i] for i in mine],
-                [originals[i] for i in mine],
-                meshes[mine[0]],
-                mp_policy,
-                block_policy,
-                alignment_bytes,
-                max_buffers,
-                buffer_alpha_bytes,
-                member_gaps,
-                name=part_name,
-                offload=isinstance(offload_policy, CPUOffloadPolicy),
-                pin_memory=getattr(offload_policy, "pin_memory", True),
-                grads_in_params=grads_in_params,
-            )
+        plan_part = functools.partial(  # kept by the groups: see [Note: re-tied parameters]
+            _new_group,
+            mesh=meshes[mine[0]],
+            mp_policy=mp_policy,
+            block_policy=block_policy,
+            alignment_bytes=alignment_bytes,
+            max_buffers=max_buffers,
+            alpha=buffer_alpha_bytes,
+            gaps=member_gaps,
+            name=part_name,
+            offload=isinstance(offload_policy, CPUOffloadPolicy),
+            pin_memory=getattr(offload_policy, "pin_memory", True),
+            grads_in_params=grads_in_params,
         )
+        parts.append(plan_part([refs[i] for i in mine], [originals[i] for i in mine]))
+        for g in parts[-1]:
+            g.replan = plan_part
     if parts:
         buffers = [g for part in parts for g in part]
         group = GroupSet(buffers, buffers[0].name if len(buffers) == 1 else name)

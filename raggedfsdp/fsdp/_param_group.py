@@ -4,6 +4,7 @@ collective each way."""
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import cast
 
 import torch
@@ -205,6 +206,9 @@ class ParamGroup(GradientPath):
         self.reduce_scatter_unused_params = False
         self.reduce_process_group = self.process_group  # or its own (separate RS group)
         self.unloaded: dict[str, str] = {}  # fqn -> key, on meta after a partial load
+        # (refs, originals) -> the ParamGroups of this group's mesh, as fully_shard planned
+        # them (set by fully_shard): see [Note: re-tied parameters] in _group_set.py
+        self.replan: Callable[[list[ParamRef], list[torch.Tensor]], list[ParamGroup]] | None = None
 
     @property
     def is_unsharded(self) -> bool:

@@ -26,7 +26,6 @@ from tests.harness import run_cases, spawn
 
 pytestmark = pytest.mark.numerics
 
-BACKENDS = {"FSDP2": torch_fsdp.fully_shard, "raggedfsdp": raggedfsdp.fully_shard}
 
 
 def _full(t):
@@ -102,8 +101,10 @@ def _train(model: nn.Module, rank: int, steps: int = 2) -> dict:
 
 def _same(case, rank: int, world: int) -> None:
     """``case(fully_shard, rank) -> dict``: every value bitwise equal to FSDP2's."""
-    want = case(torch_fsdp.fully_shard, rank)
-    got = case(raggedfsdp.fully_shard, rank)
+    _check_same(case(raggedfsdp.fully_shard, rank), case(torch_fsdp.fully_shard, rank))
+
+
+def _check_same(got: dict, want: dict) -> None:
     assert got.keys() == want.keys(), (sorted(got), sorted(want))
     for key, w in want.items():
         g = got[key]
@@ -142,6 +143,39 @@ def _reassigned_from_weights_on_meta(fully_shard, rank):
         norm = torch.linalg.norm(model.l2.weight, dim=1) + 1.0
     model.scale = nn.Parameter(norm)
     return _train(model, rank)
+
+
+class _TwoLinear(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(8, 8, bias=False)
+        self.out = nn.Linear(8, 8, bias=False)
+        self.scale = nn.Parameter(torch.ones(8))
+
+    def forward(self, x):
+        return self.out(torch.tanh(self.inp(x))) * self.scale
+
+
+def _tied(fully_shard, rank, *, after: bool):
+    """``out.weight = inp.weight`` (re-tying, as embeddings are), after ``fully_shard`` or
+    before it; the one group holds both."""
+    torch.manual_seed(0)
+    model = _TwoLinear()
+    if not after:
+        model.out.weight = model.inp.weight
+    fully_shard(model, mesh=init_device_mesh("cpu", (2,)))
+    if after:
+        model.out.weight = model.inp.weight
+    return _train(model, rank)
+
+
+def _retied(rank, world):
+    """Tied after fully_shard: the same numbers as FSDP2's model tied before it. (FSDP2
+    tied after reduce-scatters the two uses' gradients apart and adds them, a sum in
+    another order.)"""
+    want = _tied(torch_fsdp.fully_shard, rank, after=False)
+    got = _tied(raggedfsdp.fully_shard, rank, after=True)
+    _check_same(got, want)
 
 
 # ---- a submodule's to_empty inside a group ---------------------------------------------------
@@ -282,7 +316,9 @@ CASES = {
 
 def _grid(rank, world):
     cases = {**CASES, **_setups()}
-    run_cases({name: partial(_same, case, rank, world) for name, case in cases.items()})
+    checks = {name: partial(_same, case, rank, world) for name, case in cases.items()}
+    checks["parameters tied after fully_shard"] = partial(_retied, rank, world)
+    run_cases(checks)
 
 
 def test_lazy_init_and_reduction_as_fsdp2():
