@@ -672,8 +672,11 @@ class FSDPModule(TorchFSDPModule):
     # ---- unshard / reshard ----------------------------------------------------------------
     # raggedfsdp's handle, in place of torch's: the same wait()
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:  # type: ignore[override]
-        """All-gather this module's parameters now (``async_op``: return a handle)."""
-        group = _checked_state(self).group
+        """All-gather this module's parameters now (``async_op``: return a handle). Before
+        the first forward, the group's lazy init runs first, as in FSDP2."""
+        state = _checked_state(self)
+        state.lazy_init_group()
+        group = state.group
         if group is not None:
             group.unshard(async_op=True)
         handle = UnshardHandle(group)

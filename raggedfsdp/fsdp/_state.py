@@ -165,7 +165,7 @@ class FSDPState:
         self._post_forward_indices: list[int] = []  # this group's places in the root's
         self._callback_queued = False
         self._reduce_order: list[FSDPState] = []  # groups in the order they started reducing
-        self._state_dict_hooked = False  # see _lazy_init_group
+        self._state_dict_hooked = False  # see lazy_init_group
         _run_hooks_eagerly(self)
         for module in self.modules:
             module.__dict__[_STATE_ATTR] = self
@@ -261,11 +261,17 @@ class FSDPState:
                         "the first forward"
                     )
                 s.is_root, s.root = False, self
-        for s in self._states:
-            s._lazy_init_group()
+        try:
+            for s in self._states:
+                s.lazy_init_group()
+        except Exception:  # the next forward, once the model is fixed, initializes again
+            for s in self._states:
+                s.is_root, s.root = None, None
+            raise
 
-    def _lazy_init_group(self) -> None:
-        """At the root's lazy init, for each group (as FSDP2's ``FSDPParamGroup.lazy_init``):
+    def lazy_init_group(self) -> None:
+        """At the root's lazy init (or a ``module.unshard()`` before it), for each group, once
+        (as FSDP2's ``FSDPParamGroup.lazy_init``):
         adopt what the modules hold in place of its parameters (see [Note: parameters
         registered after fully_shard]), and make ``state_dict()`` see the sharded
         parameters (a forward with ``reshard_after_forward=False`` leaves them unsharded:

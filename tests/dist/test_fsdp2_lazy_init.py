@@ -130,6 +130,18 @@ def _reassigned(fully_shard, rank):
     return _train(model, rank)
 
 
+def _reassigned_then_unshard(fully_shard, rank):
+    """As ``_reassigned``, then ``model.unshard()`` before the first forward (FSDP2 lazily
+    initializes the group there)."""
+    model = _build(fully_shard)
+    old = model.scale
+    model.scale = nn.Parameter(distribute_tensor(_values(8, 2), old.device_mesh, old.placements))
+    model.unshard()
+    out = {"unsharded scale": model.scale.detach().clone()}
+    model.reshard()
+    return {**out, **_train(model, rank)}
+
+
 def _reassigned_from_weights_on_meta(fully_shard, rank):
     """PyTorch's ``test_reset_sharded_param_in_lazy_init``: a meta model whose blocks are
     materialized, its root parameter re-assigned a norm of their weights (a DTensor with
@@ -176,6 +188,40 @@ def _retied(rank, world):
     want = _tied(torch_fsdp.fully_shard, rank, after=False)
     got = _tied(raggedfsdp.fully_shard, rank, after=True)
     _check_same(got, want)
+
+
+def _refused(rank, world):
+    """What lazy init cannot adopt is refused by name, on every rank, before any
+    collective; the model works once put right."""
+    x = torch.ones(2, 8)
+    model = _build(raggedfsdp.fully_shard)
+    model.scale = nn.Parameter(torch.ones(5))
+    with pytest.raises(ValueError, match=r"'scale' .* shape \(5,\), not \(8,\)"):
+        model(x)
+    model.scale = nn.Parameter(torch.ones(8))
+    model(x)  # lazy init again, now adopting it
+
+    model = _build(raggedfsdp.fully_shard, lora=True)
+    model.l1.lora_a.double()  # a submodule inside the block's group
+    match = r"'lora_a.weight' .* dtype torch.float64; its buffer"
+    with pytest.raises(NotImplementedError, match=match):
+        model(x)
+
+    torch.manual_seed(0)
+    model = _TwoLinear()
+    model.out.weight = model.inp.weight
+    raggedfsdp.fully_shard(model, mesh=init_device_mesh("cpu", (2,)))
+    model.out.weight = nn.Parameter(torch.ones(8, 8))  # the tie undone
+    with pytest.raises(NotImplementedError, match=r"'inp.weight' is no longer one parameter"):
+        model(x)
+
+    with torch.device("meta"):
+        model = _TwoLinear()
+    raggedfsdp.fully_shard(model, mesh=init_device_mesh("cpu", (2,)))
+    model.inp.to_empty(device="cpu")
+    model.out.weight = model.inp.weight
+    with pytest.raises(NotImplementedError, match=r"\['scale'\] are still on meta"):
+        model(x)
 
 
 # ---- a submodule's to_empty inside a group ---------------------------------------------------
@@ -306,6 +352,7 @@ def _setups():
 
 CASES = {
     "re-assigned parameter": _reassigned,
+    "re-assigned parameter, then unshard()": _reassigned_then_unshard,
     "re-assigned from other weights, meta init": _reassigned_from_weights_on_meta,
     "LoRA adapters to_empty after an assigning load, meta init": _lora_to_empty_on_meta,
     "submodule to_empty on a CPU model": _submodule_to_empty_on_cpu,
@@ -318,6 +365,7 @@ def _grid(rank, world):
     cases = {**CASES, **_setups()}
     checks = {name: partial(_same, case, rank, world) for name, case in cases.items()}
     checks["parameters tied after fully_shard"] = partial(_retied, rank, world)
+    checks["refused at lazy init"] = partial(_refused, rank, world)
     run_cases(checks)
 
 
