@@ -246,24 +246,24 @@ def fully_shard(
     parts = []
     for k, mine in enumerate(by_mesh.values()):
         part_name = name if len(by_mesh) == 1 else f"{name}[mesh {k}]"
-        parts.append(
-            _new_group(
-                [refs[i] for i in mine],
-                [originals[i] for i in mine],
-                meshes[mine[0]],
-                mp_policy,
-                block_policy,
-                alignment_bytes,
-                max_buffers,
-                buffer_alpha_bytes,
-                member_gaps,
-                spmds[mine[0]],
-                name=part_name,
-                offload=isinstance(offload_policy, CPUOffloadPolicy),
-                pin_memory=getattr(offload_policy, "pin_memory", True),
-                grads_in_params=grads_in_params,
-            )
+        plan_part = functools.partial(  # kept by the groups: see [Note: re-tied parameters]
+            _new_group,
+            mesh=meshes[mine[0]],
+            mp_policy=mp_policy,
+            block_policy=block_policy,
+            alignment_bytes=alignment_bytes,
+            max_buffers=max_buffers,
+            alpha=buffer_alpha_bytes,
+            gaps=member_gaps,
+            spmd=spmds[mine[0]],
+            name=part_name,
+            offload=isinstance(offload_policy, CPUOffloadPolicy),
+            pin_memory=getattr(offload_policy, "pin_memory", True),
+            grads_in_params=grads_in_params,
         )
+        parts.append(plan_part([refs[i] for i in mine], [originals[i] for i in mine]))
+        for g in parts[-1]:
+            g.replan = plan_part
     if parts:
         buffers = [g for part in parts for g in part]
         group = GroupSet(buffers, buffers[0].name if len(buffers) == 1 else name)
@@ -669,8 +669,11 @@ class FSDPModule(TorchFSDPModule):
     # ---- unshard / reshard ----------------------------------------------------------------
     # raggedfsdp's handle, in place of torch's: the same wait()
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:  # type: ignore[override]
-        """All-gather this module's parameters now (``async_op``: return a handle)."""
-        group = _checked_state(self).group
+        """All-gather this module's parameters now (``async_op``: return a handle). Before
+        the first forward, the group's lazy init runs first, as in FSDP2."""
+        state = _checked_state(self)
+        state.lazy_init_group()
+        group = state.group
         if group is not None:
             group.unshard(async_op=True)
         handle = UnshardHandle(group)

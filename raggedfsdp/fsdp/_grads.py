@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, NamedTuple, cast
 
 import torch
 import torch.distributed as dist
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from raggedfsdp.fsdp.dbuffer import DBuffer
     from raggedfsdp.planner import BufferLayout
 
-__all__ = ["GradientPath", "mark_got_grad"]
+__all__ = ["DivideFactors", "GradientPath", "divide_factors", "mark_got_grad"]
 
 
 class GradientPath:
@@ -354,7 +354,7 @@ class GradientPath:
             grads = self.dbuf.global_grads.tensor if source is None else source
             source = grads.to(self.reduce_dtype)
             self._free_unsharded_grads()
-        op = self._reduce_op()
+        factors = self._divide_factors()
         with self.streams.reducing():  # see [Note: streams]
             output = (
                 self.dbuf.shard_grad
@@ -366,10 +366,11 @@ class GradientPath:
             work, inp = self.dbuf.reduce_scatter_grads(
                 output,
                 self.reduce_process_group,
-                op,
+                factors.reduce_scatter_op,
                 self.reduce_dtype,
                 async_op=True,
                 source=source,
+                before=factors.scale_input,
             )
         self._reduce = PendingReduce(
             work, output, direct, inp, earlier.output if earlier is not None else None
@@ -388,10 +389,16 @@ class GradientPath:
         self.needs_post_backward = True
         self.post_backward(reshard=reshard)
 
-    def _reduce_op(self):
-        """AVG, unless a divide factor or force-sum asks for SUM (divided in finalize)."""
-        avg = self.gradient_divide_factor is None and not self.force_sum_reduction
-        return dist.ReduceOp.AVG if avg else dist.ReduceOp.SUM
+    def _divide_factors(self) -> DivideFactors:
+        """How this group's reduction divides its gradients: see [Note: divide factors]."""
+        return divide_factors(
+            self.world,
+            self.replicate_size if self.replicate_group is not None else None,
+            self.reduce_dtype,
+            self.gradient_divide_factor,
+            self.force_sum_reduction,
+            premul_sum=dist.get_backend(self.reduce_process_group) != "gloo",
+        )
 
     def _accumulate_in_reduce_dtype(self) -> None:
         """Move this microbatch's unsharded gradients into the reduce-dtype accumulator.
@@ -492,13 +499,13 @@ class GradientPath:
                 output.add_(self._partial_reduce)
                 self._partial_reduce = None
             if self.replicate_size > 1:
-                dist.all_reduce(output, op=self._reduce_op(), group=self.replicate_group)
-        if self.gradient_divide_factor is not None:
-            output.div_(self.gradient_divide_factor)
-        elif self.force_sum_reduction:
-            output.div_(self.world * self.replicate_size)
-        if self.all_reduce_hook is not None:
+                op = self._divide_factors().all_reduce_op
+                dist.all_reduce(output, op=op, group=self.replicate_group)
+        if self.all_reduce_hook is not None:  # before the post-division, as FSDP2
             self.all_reduce_hook(output)
+        post = self._divide_factors().post
+        if post is not None and post != 1:
+            output.div_(post)
         if not direct and all(ref.param.grad is None for ref in self.refs):
             # only a dtype differs (reduce_dtype != param dtype): one cast of the buffer
             self.dbuf.shard_grad.copy_(output)
@@ -569,3 +576,84 @@ def mark_got_grad(ref: ParamRef):
         ref.got_grad = True
 
     return reads_no_parameters(hook)
+
+
+class DivideFactors(NamedTuple):
+    """How a group's gradients are divided by the data-parallel size (FSDP2's
+    ``_get_gradient_divide_factors``): see [Note: divide factors]."""
+
+    scale_input: Callable[[torch.Tensor], None] | None  # in place, on the reduce-scatter input
+    reduce_scatter_op: dist.ReduceOp | dist.ReduceOp.RedOpType
+    all_reduce_op: dist.ReduceOp | dist.ReduceOp.RedOpType  # HSDP, over the replicate dim
+    post: float | None  # divide the reduced gradients by it, after the all-reduce hook
+
+
+def divide_factors(
+    world: int,
+    replicate: int | None,
+    reduce_dtype: torch.dtype,
+    factor: float | None,
+    force_sum: bool,
+    *,
+    premul_sum: bool = True,
+) -> DivideFactors:
+    """FSDP2's division of the gradients, for a reduce-scatter over ``world`` ranks and
+    (HSDP) an all-reduce over ``replicate`` ranks.
+
+    [Note: divide factors]
+    As FSDP2 (torch 2.13's ``_get_gradient_divide_factors`` and ``foreach_reduce``):
+
+    - fp32 / bf16, no factor, no force-sum: ``AVG`` (``SUM`` over one rank in all).
+    - fp32 / bf16 with ``set_gradient_divide_factor(f)``: the reduce-scatter is ``AVG``
+      when ``f`` is its size, else ``PREMUL_SUM(1 / f)``; the all-reduce ``SUM``. gloo
+      has no ``PREMUL_SUM`` (FSDP2 fails there): the input is multiplied by ``1 / f``,
+      then summed, which is what ``PREMUL_SUM`` computes.
+    - any other dtype (fp16, fp64), or ``set_force_sum_reduction_for_comms(True)``:
+      ``SUM`` both ways, the factor ``f`` (default: the data-parallel size) split for
+      fp16 / fp64 into a division of the input by ``pre`` (the first power of two whose
+      square reaches ``f``, or where ``f`` stops dividing) and of the result by
+      ``f / pre``, so that a sum of large fp16 gradients does not overflow (40,000 on
+      each of 2 ranks sums to 40,000, not to inf); fp32 / bf16 under force-sum divide
+      the result by ``f`` only.
+    - over one rank the reduce-scatter is a copy; a factor it would have applied is a
+      division of the input (FSDP2's ``input / factor``).
+
+    The all-reduce hook (``set_all_reduce_hook``) sees the reduced gradients before the
+    division of the result.
+    """
+    size = world * (replicate or 1)
+    overflow_risk = reduce_dtype not in (torch.float32, torch.bfloat16)
+    SUM, AVG = dist.ReduceOp.SUM, dist.ReduceOp.AVG
+    if not overflow_risk and not force_sum:
+        if factor is None:
+            op = SUM if size == 1 else AVG
+            return DivideFactors(None, op, op, None)
+        if world == 1:
+            return DivideFactors(_div(factor), SUM, SUM, None)
+        if factor == world:
+            return DivideFactors(None, AVG, SUM, None)
+        if premul_sum:
+            return DivideFactors(None, dist._make_nccl_premul_sum(1 / factor), SUM, None)
+        return DivideFactors(_mul(1 / factor), SUM, SUM, None)
+    if factor is None:
+        factor = float(size)
+    if not overflow_risk:
+        return DivideFactors(None, SUM, SUM, factor)
+    pre = 1
+    while factor % pre == 0 and factor / pre > pre:
+        pre *= 2
+    return DivideFactors(_div(pre) if pre != 1 else None, SUM, SUM, factor / pre)
+
+
+def _div(by: float) -> Callable[[torch.Tensor], None]:
+    def scale(t: torch.Tensor) -> None:
+        t.div_(by)
+
+    return scale
+
+
+def _mul(by: float) -> Callable[[torch.Tensor], None]:
+    def scale(t: torch.Tensor) -> None:
+        t.mul_(by)
+
+    return scale

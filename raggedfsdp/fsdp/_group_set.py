@@ -12,7 +12,11 @@ holds no gradient memory until then.
 
 from __future__ import annotations
 
-from raggedfsdp.fsdp._param_group import ParamGroup, ParamRef
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from raggedfsdp.fsdp._param_group import ParamGroup, ParamRef, ShardedState
 
 __all__ = ["GroupSet"]
 
@@ -96,6 +100,100 @@ class GroupSet:
         for g in self.groups:
             g.adopt_assigned(prefix)
 
+    def adopt_registered(self) -> None:
+        """At lazy init: see [Note: parameters registered after fully_shard] in
+        ``_param_group.py``, and [Note: re-tied parameters]."""
+        if all(g.state is ShardedState.SHARDED for g in self.groups) and self._ties_changed():
+            self._replan()
+        for g in self.groups:
+            g.adopt_registered()
+
+    def _ties_changed(self) -> bool:
+        """Whether the modules now tie parameters otherwise than when fully_shard ran."""
+        firsts: set[int] = set()
+        for ref in self.refs:
+            held = {id(m._parameters.get(n)) for m, n in ref.uses}
+            if len(held) > 1 or not firsts.isdisjoint(held):
+                return True
+            firsts |= held
+        return False
+
+    def _replan(self) -> None:
+        """Plan the buffers again for the parameters as the modules now tie them.
+
+        [Note: re-tied parameters]
+        A model may tie two of a group's parameters after ``fully_shard`` and before the
+        first forward (``head.weight = embedding.weight``): one parameter now, used in two
+        places, where the buffers hold two. FSDP2 lets both of its records point at the
+        one parameter; here the group's buffers are planned again (with the call's own
+        settings, which ``fully_shard`` keeps as ``ParamGroup.replan``) for the
+        parameters the modules now hold, each once with all its uses, so the tied
+        parameter is one tensor in one buffer, its gradient the sum of its uses'. Each
+        parameter keeps its identity (an optimizer built already still holds it); the
+        group's settings (``set_*`` called before the first forward) carry over.
+        Parameters tied across meshes, tensor-parallel or tensor-subclass ones, a tie
+        undone, and a group partly on meta are refused by name.
+        """
+        parts: dict[int, tuple] = {}  # id(replan) -> (replan, its groups)
+        for g in self.groups:
+            if g.replan is None or g.subclass is not None or any(r.tp for r in g.refs):
+                raise NotImplementedError(
+                    f"fully_shard: the parameters of {g.name} were tied otherwise after "
+                    "fully_shard; re-tying tensor-parallel or tensor-subclass parameters is "
+                    "not supported: tie them before fully_shard"
+                )
+            parts.setdefault(id(g.replan), (g.replan, []))[1].append(g)
+        owner: dict[int, int] = {}  # id(held parameter) -> id(replan) of its part
+        merged: dict[int, tuple[ParamRef, torch.Tensor]] = {}  # id(held) -> (new ref, held)
+        for key, (_, groups) in parts.items():
+            for ref in (r for g in groups for r in g.refs):
+                held = [m._parameters.get(n) for m, n in ref.uses]
+                first = held[0]
+                if first is None or any(p is not first for p in held):
+                    raise NotImplementedError(
+                        f"fully_shard: parameter {ref.fqn!r} is no longer one parameter in "
+                        "all the places it was tied in (a tie undone, or a parameter "
+                        "deleted, after fully_shard); undo ties before fully_shard"
+                    )
+                if owner.setdefault(id(first), key) != key:
+                    raise NotImplementedError(
+                        f"fully_shard: parameter {ref.fqn!r} was tied after fully_shard to a "
+                        "parameter of another mesh of the same call; tie parameters of one "
+                        "mesh, or before fully_shard"
+                    )
+                if id(first) in merged:
+                    merged[id(first)][0].uses.extend(ref.uses)
+                    continue
+                new = ParamRef(
+                    fqn=ref.fqn,
+                    uses=list(ref.uses),
+                    shape=first.shape,
+                    requires_grad=first.requires_grad,
+                )
+                if isinstance(first, DTensor) and isinstance(first, nn.Parameter):
+                    new.sharded = first  # keeps its identity: _make_sharded re-points it
+                merged[id(first)] = (new, first)
+        on_meta = {ref.fqn for ref, p in merged.values() if p.is_meta}
+        if on_meta and len(on_meta) < len(merged):
+            raise NotImplementedError(
+                f"fully_shard: parameters of {self.name} were tied otherwise after "
+                f"fully_shard while {sorted(on_meta)} are still on meta; materialize the "
+                "group (to_empty) first, or tie them before fully_shard"
+            )
+        rebuilt: list[ParamGroup] = []
+        for key, (replan, groups) in parts.items():
+            mine = [(ref, p) for ref, p in merged.values() if owner[id(p)] == key]
+            originals = [_full_value(p) for _, p in mine]
+            new_groups = replan([ref for ref, _ in mine], originals)
+            for g in new_groups:
+                g.replan = replan
+                for setting in _SETTINGS:
+                    setattr(g, setting, getattr(groups[0], setting))
+                if groups[0].reduce_process_group is not groups[0].process_group:
+                    g.use_separate_reduce_scatter_group(True)
+            rebuilt += new_groups
+        self.groups = rebuilt
+
     # ---- gradients -------------------------------------------------------------------------
     def release_dropped_grads(self) -> None:
         for g in self.groups:
@@ -143,3 +241,25 @@ class GroupSet:
     def reset_iter_state(self) -> None:
         for g in self.groups:
             g.reset_iter_state()
+
+
+# What FSDPState.configure and its set_* methods write on a group: kept by a re-plan.
+_SETTINGS = (
+    "requires_gradient_sync",
+    "gradient_divide_factor",
+    "requires_all_reduce",
+    "force_sum_reduction",
+    "reduce_scatter_unused_params",
+    "all_reduce_hook",
+    "post_forward_group",
+)
+
+
+def _full_value(p: torch.Tensor) -> torch.Tensor:
+    """``p``'s whole value as a plain tensor (what ``fully_shard`` lays out), the same on
+    every rank; a meta tensor for a parameter on meta."""
+    if p.is_meta:
+        return torch.empty(p.shape, dtype=p.dtype, device="meta")
+    if isinstance(p, DTensor):
+        return p.full_tensor().detach()
+    return p.detach()

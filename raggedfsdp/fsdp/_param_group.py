@@ -4,6 +4,7 @@ collective each way."""
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import cast
 
 import torch
@@ -210,6 +211,9 @@ class ParamGroup(GradientPath):
         self.reduce_scatter_unused_params = False
         self.reduce_process_group = self.process_group  # or its own (separate RS group)
         self.unloaded: dict[str, str] = {}  # fqn -> key, on meta after a partial load
+        # (refs, originals) -> the ParamGroups of this group's mesh, as fully_shard planned
+        # them (set by fully_shard): see [Note: re-tied parameters] in _group_set.py
+        self.replan: Callable[[list[ParamRef], list[torch.Tensor]], list[ParamGroup]] | None = None
 
     @property
     def is_unsharded(self) -> bool:
@@ -258,6 +262,7 @@ class ParamGroup(GradientPath):
             ref.sharded = nn.Parameter(dt, requires_grad=ref.requires_grad)
         else:  # re-point an existing parameter (after to_empty / _apply), keeping its identity
             cast(DTensor, ref.sharded)._local_tensor = dt._local_tensor
+            cast(DTensor, ref.sharded)._spec = dt._spec  # an adopted DTensor's placements
         setattr(ref.sharded, OWNER_ATTR, (self, self.refs.index(ref)))
 
     def reset_after_apply(self) -> None:
@@ -323,15 +328,60 @@ class ParamGroup(GradientPath):
             ValueError: an assigned tensor of another dtype, mesh or placement, or of a kind
                 that is neither (the parameter named, with the fix).
         """
+        self._adopt(prefix, registered=False)
+
+    def adopt_registered(self) -> None:
+        """Adopt, at lazy init (the first forward), what the modules hold in place of the
+        sharded parameters, as FSDP2's ``reset_sharded_param`` does.
+
+        [Note: parameters registered after fully_shard]
+        Between ``fully_shard`` and the first forward a model may put new values in its
+        parameters' place: re-assign one (``module.w = nn.Parameter(...)``: re-init, a norm
+        computed from other weights), or materialize a submodule inside the group
+        (``submodule.to_empty(device)``, any ``Module._apply`` on it, as torchtune's LoRA
+        recipe does): ``Module._apply`` swaps a DTensor parameter's contents, so it keeps
+        its identity but no longer views the shard storage. FSDP2 takes each such value at
+        lazy init; so does raggedfsdp, through [Note: assigned parameters]'s path: a DTensor
+        on the parameter's mesh gives its rows (redistributed to the parameter's
+        RaggedShard if its placements differ), a plain tensor of the full shape this rank's
+        rows; the storages are rebuilt on the values' device when they were on meta. After
+        lazy init, as in FSDP2, a module's parameters are the group's: a later
+        re-assignment is replaced at the next unshard (``load_state_dict`` and the
+        fully_shard module's own ``to_empty`` / ``to`` still rebuild the storages).
+
+        Raises:
+            NotImplementedError: a value of another dtype than the group's buffer (a
+                submodule's ``.to(dtype)``), named.
+            ValueError: a DTensor on another mesh, or a tensor of another shape.
+        """
+        if self.state is ShardedState.SHARDED:  # else the modules hold the unsharded ones
+            self._adopt("", registered=True)
+
+    def _holds_view(self, param: torch.Tensor) -> bool:
+        """Whether ``param`` (a sharded parameter) is still a view of the shard storage."""
+        if not isinstance(param, DTensor):
+            return False
+        local = values_of(param._local_tensor)
+        return local.untyped_storage()._cdata == self.dbuf.shard.untyped_storage()._cdata
+
+    def _adopt(self, prefix: str, registered: bool) -> None:
+        """See [Note: assigned parameters], [Note: parameters registered after fully_shard]."""
         current = {ref.fqn: _held(ref) for ref in self.refs}
-        assigned = [ref for ref in self.refs if current[ref.fqn] is not ref.sharded]
+        assigned = [
+            ref
+            for ref in self.refs
+            if current[ref.fqn] is not ref.sharded
+            or (registered and not self._holds_view(current[ref.fqn]))
+        ]
         if not assigned:
-            if self.dbuf.shard.is_meta:  # a load that left the group on meta: name them
+            if self.dbuf.shard.is_meta and not registered:  # a load left it on meta: name them
                 self.unloaded = {r.fqn: prefix + r.fqn for r in self.refs}
             return
         self._expect("load_state_dict(assign=True)", ShardedState.SHARDED)
         try:
-            pieces = {r.fqn: self._assigned_piece(r, current[r.fqn], prefix) for r in assigned}
+            pieces = {
+                r.fqn: self._assigned_piece(r, current[r.fqn], prefix, registered) for r in assigned
+            }
             devices = {t.device for t in pieces.values() if t.device.type != "meta"}
             if len(devices) > 1:
                 raise ValueError(
@@ -360,7 +410,7 @@ class ParamGroup(GradientPath):
                 self.dbuf.shard_view(ref.fqn).copy_(piece)
                 unloaded.pop(ref.fqn, None)
             elif piece is not None or (rebuild and old.shard.is_meta):
-                unloaded[ref.fqn] = prefix + ref.fqn  # assigned a meta tensor, or not loaded
+                unloaded.setdefault(ref.fqn, prefix + ref.fqn)  # assigned meta, or not loaded
             elif rebuild:  # kept: its values move to the new storage
                 self.dbuf.shard_view(ref.fqn).copy_(old.shard_view(ref.fqn))
             if piece is None and not rebuild:
@@ -373,10 +423,36 @@ class ParamGroup(GradientPath):
             ref.register(ref.param)
         self.unloaded = {r.fqn: unloaded[r.fqn] for r in self.refs if r.fqn in unloaded}
 
-    def _assigned_piece(self, ref: ParamRef, new: torch.Tensor, prefix: str) -> torch.Tensor:
-        """This rank's part of the tensor an assigning load put in ``ref``'s place, shaped
-        as its shard view (see [Note: assigned parameters])."""
+    def _assigned_piece(
+        self, ref: ParamRef, new: torch.Tensor, prefix: str, registered: bool = False
+    ) -> torch.Tensor:
+        """This rank's part of the tensor an assigning load (or, with ``registered``, the
+        model before lazy init) put in ``ref``'s place, shaped as its shard view (see
+        [Note: assigned parameters])."""
         name, mesh, placements = prefix + ref.fqn, self.param_mesh(ref), tuple(self.placements(ref))
+        what = "fully_shard (first forward)" if registered else "load_state_dict(assign=True)"
+        if registered:
+            if new.dtype != self.dtype:
+                raise NotImplementedError(
+                    f"fully_shard: parameter {name!r} of {self.name} now holds a tensor of "
+                    f"dtype {new.dtype}; its buffer holds {self.dtype}, and a group's buffers "
+                    "are planned per dtype when fully_shard runs: change the dtype of the "
+                    "module passed to fully_shard (module.to(dtype) re-plans its buffers), "
+                    "or before fully_shard"
+                )
+            if new.shape != ref.shape:
+                raise ValueError(
+                    f"fully_shard: parameter {name!r} of {self.name} now holds a tensor of "
+                    f"shape {tuple(new.shape)}, not {tuple(ref.shape)}; a group's buffers are "
+                    "planned when fully_shard runs: give it a tensor of its shape, or change "
+                    "the module before fully_shard"
+                )
+            if isinstance(new, DTensor) and new.device_mesh == mesh:
+                if new.is_meta:  # still to be materialized: listed in ``unloaded``
+                    return torch.empty_like(self.dbuf.shard_view(ref.fqn), device="meta")
+                if tuple(new.placements) != placements:
+                    new = new.redistribute(mesh, placements)
+                return new._local_tensor
         fix = (
             "assign a DTensor made with the sharded parameter's own mesh and placements "
             "(distribute_tensor(full, param.device_mesh, param.placements), param from the "
@@ -384,7 +460,7 @@ class ParamGroup(GradientPath):
         )
         if new.dtype != self.dtype:
             raise ValueError(
-                f"load_state_dict(assign=True): parameter {name!r} was assigned a tensor of "
+                f"{what}: parameter {name!r} was assigned a tensor of "
                 f"dtype {new.dtype}; fully_shard holds it in {self.dtype}: cast the state "
                 "dict's tensor to it, or load without assign=True (which casts)"
             )
@@ -392,21 +468,21 @@ class ParamGroup(GradientPath):
             if new.device_mesh == mesh and tuple(new.placements) == placements:
                 return new._local_tensor
             raise ValueError(
-                f"load_state_dict(assign=True): parameter {name!r} was assigned a DTensor "
+                f"{what}: parameter {name!r} was assigned a DTensor "
                 f"with placements {tuple(new.placements)} on {new.device_mesh}; expected "
                 f"{placements} on {mesh} (its RaggedShard): {fix}"
             )
         if type(new) in (torch.Tensor, nn.Parameter) and new.shape == ref.shape:
             if ref.tp is not None:
                 raise ValueError(
-                    f"load_state_dict(assign=True): parameter {name!r} is tensor-parallel "
+                    f"{what}: parameter {name!r} is tensor-parallel "
                     f"and was assigned a plain tensor; expected a DTensor with placements "
                     f"{placements} on {mesh}: {fix}"
                 )
             assert ref.placement is not None  # set by __init__
             return ref.placement.local_view(new.detach().contiguous(), self.rank)
         raise ValueError(
-            f"load_state_dict(assign=True): parameter {name!r} was assigned a "
+            f"{what}: parameter {name!r} was assigned a "
             f"{type(new).__name__} of shape {tuple(new.shape)}; expected a DTensor with "
             f"placements {placements} on {mesh} or a tensor of shape {tuple(ref.shape)}: {fix}"
         )

@@ -26,8 +26,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
+from torch.distributed.utils import _apply_to_tensors
 from torch.nn.modules.module import _global_backward_hooks, _global_backward_pre_hooks
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from raggedfsdp.fsdp._device import new_group_like
 from raggedfsdp.fsdp._hooks import may_read_parameters
@@ -164,6 +165,7 @@ class FSDPState:
         self._post_forward_indices: list[int] = []  # this group's places in the root's
         self._callback_queued = False
         self._reduce_order: list[FSDPState] = []  # groups in the order they started reducing
+        self._state_dict_hooked = False  # see lazy_init_group
         _run_hooks_eagerly(self)
         for module in self.modules:
             module.__dict__[_STATE_ATTR] = self
@@ -259,6 +261,29 @@ class FSDPState:
                         "the first forward"
                     )
                 s.is_root, s.root = False, self
+        try:
+            for s in self._states:
+                s.lazy_init_group()
+        except Exception:  # the next forward, once the model is fixed, initializes again
+            for s in self._states:
+                s.is_root, s.root = None, None
+            raise
+
+    def lazy_init_group(self) -> None:
+        """At the root's lazy init (or a ``module.unshard()`` before it), for each group, once
+        (as FSDP2's ``FSDPParamGroup.lazy_init``):
+        adopt what the modules hold in place of its parameters (see [Note: parameters
+        registered after fully_shard]), and make ``state_dict()`` see the sharded
+        parameters (a forward with ``reshard_after_forward=False`` leaves them unsharded:
+        the module's state-dict pre-hook reshards, as FSDP2's)."""
+        if self.group is None or self._state_dict_hooked:
+            return
+        self.group.adopt_registered()
+        group = self.group
+        holders = {id(ref.uses[0][0]): ref.uses[0][0] for ref in group.refs}
+        for module in holders.values():
+            module.register_state_dict_pre_hook(lambda *args, **kwargs: group.reshard())
+        self._state_dict_hooked = True
 
     def _enter(self, event: str) -> None:
         """Move ``training_state`` by ``event``; see [Note: training states]."""
@@ -595,12 +620,16 @@ class _PostBackward(torch.autograd.Function):
 
 
 def _cast_floats(tree, dtype: torch.dtype):
-    def cast(t):
-        if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != dtype:
+    """Cast the floating-point tensors in ``tree`` to ``dtype``, through the containers
+    FSDP2 reaches (torch's ``_apply_to_tensors``: dataclasses, named tuples, dicts,
+    lists, tuples, sets, ``PackedSequence``), as FSDP2 casts inputs and outputs."""
+
+    def cast(t: torch.Tensor) -> torch.Tensor:
+        if t.is_floating_point() and t.dtype != dtype:
             return t.to(dtype)
         return t
 
-    return tree_map(cast, tree)
+    return _apply_to_tensors(cast, tree)
 
 
 def resolve_reshard_after_forward(

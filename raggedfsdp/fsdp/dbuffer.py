@@ -26,6 +26,7 @@ global buffer of ``m * S`` elements, rank k owning ``[k * S, (k + 1) * S)``::
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -183,9 +184,14 @@ class DBuffer:
         *,
         async_op: bool,
         source: torch.Tensor | None = None,
+        before: Callable[[torch.Tensor], None] | None = None,
     ) -> tuple[dist.Work | None, torch.Tensor | None]:
         """Reduce-scatter the global gradient storage (or ``source``, laid out like it)
         into ``out`` (S elements).
+
+        Args:
+            before: applied in place to the input (in the reduce dtype) before the
+                collective: a division of the gradients before they are summed.
 
         Returns:
             ``(work, input)``: the input when it is not the global gradient storage
@@ -194,5 +200,7 @@ class DBuffer:
         inp = self.global_grads.tensor if source is None else source
         if reduce_dtype != inp.dtype:
             inp = inp.to(reduce_dtype)  # one cast of the whole buffer
+        if before is not None:
+            before(inp)
         work = reduce_scatter_single(out, inp, op=op, group=group, async_op=async_op)
         return work, None if inp is self.global_grads.tensor else inp
