@@ -831,7 +831,7 @@ class FSDPModule(TorchFSDPModule):
         instead of the whole current stream; on the CPU there are no streams."""
         _checked_state(self).set_post_optim_event(event)
 
-    # ---- refused: what raggedfsdp's buffers cannot honour ---------------------------------
+    # ---- pipelining, collectives and their memory -----------------------------------------
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """FSDP2: False lets the end of a backward skip waiting for its reduce-scatters
         (pipeline schedules and chunked accumulation call it between microbatches).
@@ -843,32 +843,115 @@ class FSDPModule(TorchFSDPModule):
         _checked_state(self).is_last_backward = bool(is_last_backward)
 
     def set_custom_all_gather(self, comm) -> None:
-        raise NotImplementedError(
-            "set_custom_all_gather: raggedfsdp's all-gather writes the planner's buffer layout "
-            "in place (no copy-in / copy-out); a custom all-gather would have to write that "
-            "layout; not supported"
-        )
+        """Run every all-gather of this module's group through ``comm`` (FSDP2's
+        ``AllGather``), with the buffer's own input and output: see [Note: custom
+        collectives].
+
+        Raises:
+            ValueError: the group's parameters live on several meshes (as FSDP2).
+        """
+        self._set_comm("set_custom_all_gather", all_gather_comm=comm)
 
     def set_custom_reduce_scatter(self, comm) -> None:
-        raise NotImplementedError(
-            "set_custom_reduce_scatter: raggedfsdp reduce-scatters the flat gradient buffer "
-            "into the shard gradient storage in place; a custom reduce-scatter would have to "
-            "honour that layout; not supported"
-        )
+        """Run every reduce-scatter of this module's group through ``comm`` (FSDP2's
+        ``ReduceScatter``), with the buffer's own input and output: see [Note: custom
+        collectives].
+
+        Raises:
+            ValueError: the group's parameters live on several meshes (as FSDP2).
+        """
+        self._set_comm("set_custom_reduce_scatter", reduce_scatter_comm=comm)
+
+    def _set_comm(self, what: str, **comm) -> None:
+        """[Note: custom collectives]
+        FSDP2 lets a user replace its all-gather and reduce-scatter (``AllGather`` /
+        ``ReduceScatter``: an ``allocate(size, dtype=, device=)`` for its staging buffers
+        and a ``__call__``). raggedfsdp has no staging buffers: its collectives run in
+        place on the DBuffer's storages, which the parameters and gradients view. So a
+        custom collective is called, with FSDP2's keywords, on those storages:
+
+        - all-gather: ``comm(output_tensor=out, input_tensor=inp, group=pg,
+          async_op=True)``; ``out`` (1D, ``world * S``) is the group's global storage (or,
+          for an FP8 or tensor-subclass buffer, the byte buffer decoded from), ``inp``
+          (1D, ``S``) this rank's shard (or its one cast). It must write every rank's
+          ``inp`` into ``out`` in rank order, as ``all_gather_into_tensor`` does, and
+          return its ``Work`` (or None when done).
+        - reduce-scatter: ``comm(output_tensor=out, input_tensor=inp, group=pg, op=op)``,
+          called synchronously as FSDP2 calls it; ``inp`` (1D, ``world * S``) is the flat
+          gradient storage (or its one cast to the reduce dtype), ``out`` (1D, ``S``) the
+          shard gradient storage, ``op`` the reduction FSDP2 would use (the division by
+          the world size is applied around it as FSDP2's).
+        - ``allocate`` is never called: the output is the storage whose views are the
+          parameters, allocated whole by the DBuffer. A comm that needs its own memory
+          (a pool, symmetric memory) must copy in and out itself.
+        """
+        state = _checked_state(self)
+        groups = [] if state.group is None else state.group.groups
+        if len({dp_key(g.mesh) for g in groups}) > 1:
+            raise ValueError(
+                f"{what} is not supported with multiple param groups (from per-param mesh "
+                "via shard_placement_fn). The custom comm would be ambiguous across groups "
+                "with different meshes."
+            )
+        state.set_comms(**comm)
+
+    def _no_custom_comm(self, what: str) -> list:
+        """The group's buffers; AssertionError where a custom comm is set (as FSDP2)."""
+        state = _checked_state(self)
+        groups = [] if state.group is None else state.group.groups
+        for g in groups:
+            for kind, comm in (
+                ("all gather", g.all_gather_comm),
+                ("reduce scatter", g.reduce_scatter_comm),
+            ):
+                if comm is not None:
+                    raise AssertionError(
+                        f"cannot call {what}() when {kind} comm is custom: {type(comm).__name__}"
+                    )
+        return groups
 
     def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
-        if enable:
-            raise NotImplementedError(
-                "set_allocate_memory_from_process_group_for_comm: the collectives' buffers "
-                "are the DBuffer's own storages (parameters are views of them), not staging "
-                "buffers a process group could allocate; not supported"
-            )
+        """FSDP2: allocate the collectives' staging buffers with the process group's own
+        allocator, where its backend has one (NCCL's memory pool); elsewhere (gloo, the
+        CPU) FSDP2 allocates them as usual, and so does raggedfsdp: a no-op.
+
+        Raises:
+            AssertionError: a custom collective is set (as FSDP2).
+            NotImplementedError: enabled where the backend allocates tensors: raggedfsdp's
+                collectives run on the DBuffer's storages, resized in place so that the
+                parameters stay views of them, which that allocator cannot give.
+        """
+        for g in self._no_custom_comm("set_allocate_memory_from_process_group"):
+            for pg in {g.process_group, g.reduce_process_group}:
+                if enable and pg._get_backend(g.device).supports_tensor_alloc(g.device):
+                    raise NotImplementedError(
+                        "set_allocate_memory_from_process_group_for_comm: the process group's "
+                        f"backend allocates tensors on {g.device}, but raggedfsdp's collectives "
+                        "have no staging buffers: they run on the DBuffer's storages, resized "
+                        "in place so that parameters stay views of them; not supported yet: "
+                        "leave it off"
+                    )
 
     def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
+        """FSDP2: gather into symmetric memory (NCCL's copy-engine all-gather).
+
+        Raises:
+            AssertionError: a custom collective is set (as FSDP2).
+            RuntimeError: torch has no symmetric-memory ``backend`` here (the CPU), raised
+                by torch's ``set_backend`` as in FSDP2.
+            NotImplementedError: where it has one: the all-gather output is the DBuffer's
+                global storage, resized in place so that parameters stay views of it, not a
+                rendezvoused symmetric-memory tensor.
+        """
+        from torch.distributed import _symmetric_memory as symm_mem
+
+        self._no_custom_comm("set_symm_mem")
+        symm_mem.set_backend(backend)  # type: ignore[arg-type]  # raises where torch has none
         raise NotImplementedError(
-            "set_symm_mem_for_comm: symmetric-memory collectives need buffers allocated by "
-            "the symmetric-memory allocator; raggedfsdp's DBuffer storages are not; not "
-            "supported"
+            "set_symm_mem_for_comm: the all-gather output is the DBuffer's global storage, "
+            "resized in place so that the parameters stay views of it, not a symmetric-memory "
+            "tensor; not supported yet: leave it off (the all-gather runs in place, without "
+            "the staging copies symmetric memory saves in FSDP2)"
         )
 
     def _set_unshard_async_op(self, async_op: bool) -> None:
@@ -930,10 +1013,16 @@ FSDP2_SURFACE: dict[str, str] = {
     "set_separate_reduce_scatter_group": "supported",
     "set_unshard_in_backward": "supported",
     "set_is_last_backward": "supported (False: a backward still finishes what it started)",
-    "set_custom_all_gather": "refused: the all-gather writes the buffer layout in place",
-    "set_custom_reduce_scatter": "refused: the reduce-scatter writes the shard grads in place",
-    "set_allocate_memory_from_process_group_for_comm": "refused: the buffers are the storages",
-    "set_symm_mem_for_comm": "refused: the storages are not symmetric memory",
+    "set_custom_all_gather": "supported: called on the buffer's own storages (no staging)",
+    "set_custom_reduce_scatter": "supported: called on the buffer's own storages (no staging)",
+    "set_allocate_memory_from_process_group_for_comm": (
+        "a no-op where the backend has no allocator (gloo), as in FSDP2; refused where it has "
+        "one (the storages are resized in place)"
+    ),
+    "set_symm_mem_for_comm": (
+        "torch's RuntimeError without a symmetric-memory backend (the CPU), as in FSDP2; "
+        "refused where there is one (the global storage is not symmetric memory)"
+    ),
     "_set_unshard_async_op": "supported (private in FSDP2; gathers are always asynchronous)",
     "_get_fsdp_state": "supported (raggedfsdp's state, for register_fsdp_forward_method)",
     "_apply": "supported (to_empty, to, float: the buffers are rebuilt)",

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING, NamedTuple, cast
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 import torch
 import torch.distributed as dist
@@ -71,6 +71,7 @@ class GradientPath:
     _accumulated: torch.Tensor | None  # 1D, m*S, reduce dtype
     force_sum_reduction: bool
     all_reduce_hook: Callable[[torch.Tensor], None] | None
+    reduce_scatter_comm: Any  # FSDP2's ReduceScatter, or None: see [Note: custom collectives]
     reduce_process_group: dist.ProcessGroup
 
     if TYPE_CHECKING:  # ParamGroup's methods
@@ -371,6 +372,7 @@ class GradientPath:
                 async_op=True,
                 source=source,
                 before=factors.scale_input,
+                comm=self.reduce_scatter_comm,
             )
         self._reduce = PendingReduce(
             work, output, direct, inp, earlier.output if earlier is not None else None

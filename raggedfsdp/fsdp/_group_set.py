@@ -252,6 +252,8 @@ _SETTINGS = (
     "reduce_scatter_unused_params",
     "all_reduce_hook",
     "post_forward_group",
+    "all_gather_comm",
+    "reduce_scatter_comm",
 )
 
 

@@ -207,6 +207,9 @@ class ParamGroup(GradientPath):
         self._accumulated: torch.Tensor | None = None  # see _accumulate_in_reduce_dtype
         self.force_sum_reduction = False  # SUM, then divide (set_force_sum_reduction_for_comms)
         self.all_reduce_hook = None  # called on the reduce-scatter output (set_all_reduce_hook)
+        # set_custom_all_gather / set_custom_reduce_scatter: see [Note: custom collectives]
+        self.all_gather_comm = None
+        self.reduce_scatter_comm = None
         # set_reduce_scatter_unused_params: see [Note: unused parameters]
         self.reduce_scatter_unused_params = False
         self.reduce_process_group = self.process_group  # or its own (separate RS group)
@@ -514,9 +517,9 @@ class ParamGroup(GradientPath):
                 out, inp = self.dbuf.global_params.alloc(), self._post_forward_piece
                 assert inp is not None and self.post_forward_group is not None  # kept by reshard
                 pg = self.post_forward_group.process_group
-                work = all_gather_single(out, inp, group=pg, async_op=True)
+                work = self._all_gather(out, inp, pg)
             elif self.subclass is not None:  # see [Note: tensor-subclass all-gather]
-                work, inp, received = self.subclass.start(self.process_group)
+                work, inp, received = self.subclass.start(self.process_group, self._all_gather)
             elif self.fp8 is not None:  # see [Note: FP8 all-gather]
                 inp = self.fp8.quantize(self.dbuf.shard, self.rank)
                 if self.world == 1:  # the codes are what a gather would receive
@@ -525,12 +528,23 @@ class ParamGroup(GradientPath):
                     received = torch.empty(
                         self.world * inp.numel(), dtype=torch.uint8, device=self.device
                     )
-                    work = all_gather_single(received, inp, group=self.process_group, async_op=True)
+                    work = self._all_gather(received, inp, self.process_group)
             else:
-                work, inp = self.dbuf.all_gather(self.process_group, async_op=True)
+                inp = self.dbuf.all_gather_input()
+                work = self._all_gather(self.dbuf.global_params.alloc(), inp, self.process_group)
         self._gather = PendingGather(work, version, inp, received)
         if not async_op:
             self.wait_for_unshard()
+
+    def _all_gather(self, out: torch.Tensor, inp: torch.Tensor, group):
+        """One all-gather of the group, in place: ``out`` (1D, m x ``inp``) is the storage
+        the parameters view (or the FP8 codes it decodes from), ``inp`` this rank's shard;
+        through ``set_custom_all_gather``'s comm where one is set."""
+        comm = self.all_gather_comm
+        if comm is None:
+            return all_gather_single(out, inp, group=group, async_op=True)
+        work = comm(output_tensor=out, input_tensor=inp, group=group, async_op=True)
+        return completed_work() if work is None else work
 
     @phase("all_gather_wait")
     def wait_for_unshard(self) -> None:

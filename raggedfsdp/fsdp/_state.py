@@ -226,6 +226,11 @@ class FSDPState:
         if self.group is not None:
             self.group.configure(all_reduce_hook=hook)
 
+    def set_comms(self, **comms) -> None:
+        """``all_gather_comm`` / ``reduce_scatter_comm``: see [Note: custom collectives]."""
+        if self.group is not None:
+            self.group.configure(**comms)
+
     def set_max_reduces_in_flight(self, value: int) -> None:
         self.max_reduces_in_flight = value
 

@@ -262,8 +262,9 @@ class SubclassGather:
         )
 
     # ---- unshard --------------------------------------------------------------------------
-    def start(self, process_group):
-        """Call every ``fsdp_pre_all_gather``, copy the inputs in and start the all-gather.
+    def start(self, process_group, gather=None):
+        """Call every ``fsdp_pre_all_gather``, copy the inputs in and start the all-gather
+        (``gather(output, input, group)``, the group's own: a custom one where it is set).
 
         Returns:
             ``(work, send, received)``: the collective and its two byte buffers (1D uint8:
@@ -294,7 +295,10 @@ class SubclassGather:
                         x.detach().reshape(-1).view(torch.uint8)
                     )  # the copy-in
         received = torch.empty(g.world * width, dtype=torch.uint8, device=g.device)
-        work = all_gather_single(received, send, group=process_group, async_op=True)
+        if gather is None:
+            work = all_gather_single(received, send, group=process_group, async_op=True)
+        else:
+            work = gather(received, send, process_group)
         return work, send, received
 
     def _pre_all_gather(self, e: _Entry):

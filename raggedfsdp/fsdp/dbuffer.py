@@ -160,19 +160,23 @@ class DBuffer:
         return [(start, start + t.member_numel) for start in starts]
 
     # ---- collectives ----------------------------------------------------------------------
+    def all_gather_input(self) -> torch.Tensor:
+        """What the all-gather sends: the shard storage itself, or under mixed precision
+        one cast of the whole shard (on the global storage's device)."""
+        device = self.global_params.tensor.device
+        inp = self.shard.to(device, non_blocking=True)  # the shard itself unless offloaded
+        if self.compute_dtype != self.dtype:
+            inp = inp.to(self.compute_dtype)  # one cast of the whole shard
+        return inp
+
     def all_gather(self, group, *, async_op: bool) -> tuple[dist.Work | None, torch.Tensor]:
         """Fill the global parameter storage from every rank's shard: one collective.
-
-        Under mixed precision the input is one cast of the whole shard; otherwise the
-        shard storage itself.
 
         Returns:
             ``(work, input)``: keep ``input`` alive until the work is waited.
         """
         out = self.global_params.alloc()
-        inp = self.shard.to(out.device, non_blocking=True)  # the shard itself unless offloaded
-        if self.compute_dtype != self.dtype:
-            inp = inp.to(self.compute_dtype)  # one cast of the whole shard
+        inp = self.all_gather_input()
         return all_gather_single(out, inp, group=group, async_op=async_op), inp
 
     def reduce_scatter_grads(
@@ -185,6 +189,7 @@ class DBuffer:
         async_op: bool,
         source: torch.Tensor | None = None,
         before: Callable[[torch.Tensor], None] | None = None,
+        comm=None,
     ) -> tuple[dist.Work | None, torch.Tensor | None]:
         """Reduce-scatter the global gradient storage (or ``source``, laid out like it)
         into ``out`` (S elements).
@@ -192,6 +197,8 @@ class DBuffer:
         Args:
             before: applied in place to the input (in the reduce dtype) before the
                 collective: a division of the gradients before they are summed.
+            comm: a custom reduce-scatter (FSDP2's ``ReduceScatter``), called with the
+                same in-place input and output, synchronously as FSDP2 calls it.
 
         Returns:
             ``(work, input)``: the input when it is not the global gradient storage
@@ -202,5 +209,8 @@ class DBuffer:
             inp = inp.to(reduce_dtype)  # one cast of the whole buffer
         if before is not None:
             before(inp)
-        work = reduce_scatter_single(out, inp, op=op, group=group, async_op=async_op)
+        if comm is None:
+            work = reduce_scatter_single(out, inp, op=op, group=group, async_op=async_op)
+        else:
+            work = comm(output_tensor=out, input_tensor=inp, group=group, op=op)
         return work, None if inp is self.global_grads.tensor else inp
