@@ -305,7 +305,12 @@ def _check_hf_model(args, mesh: MeshSpec, config, data_vocab: int) -> None:
     built on ``meta``: a 1-D or HSDP mesh, an optimizer that needs no block list, the
     data's ids within its vocabulary, ``--seq-len`` within its positions, weights (if any)
     in safetensors files, and ``--block-rows`` against its shapes."""
-    from raggedfsdp.models.hf import build_hf_model, hf_directory, hf_weight_files
+    from raggedfsdp.models.hf import (
+        build_hf_model,
+        check_hf_weights,
+        hf_directory,
+        hf_weight_files,
+    )
     from raggedfsdp.train.policy import check_block_rows
 
     model, directory = args.model, hf_directory(args.model)
@@ -339,8 +344,10 @@ def _check_hf_model(args, mesh: MeshSpec, config, data_vocab: int) -> None:
             "(save_pretrained(safe_serialization=True)) or remove them to start from a "
             "random init"
         )
+    meta = build_hf_model(model, config=config)
+    check_hf_weights(meta, directory)  # every rank would fail alike: say it once, here
     if args.backend == "raggedfsdp":
-        check_block_rows(args, build_hf_model(model, config=config), mesh.shard)
+        check_block_rows(args, meta, mesh.shard)
 
 
 def check_args(args) -> tuple[int, str]:
