@@ -295,9 +295,8 @@ def _records(path: Path, data: bytes, rel: str, file: int) -> Iterator[Document]
             records = whole if isinstance(whole, list) else [whole]
             for number, record in enumerate(records, start=1):
                 text = _text_of(record, f"record {number}", path)
-                yield Document(
-                    f"{rel}:{number}", text.encode("utf-8"), file, len(data) // len(records)
-                )
+                size = len(data) // len(records)  # each record's share, for progress
+                yield Document(f"{rel}:{number}", text.encode("utf-8"), file, size)
             return
     for number, line in enumerate(data.splitlines(keepends=True), start=1):
         if not line.strip():

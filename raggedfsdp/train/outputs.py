@@ -88,7 +88,14 @@ class OutputLock:
 
     def acquire(self) -> None:
         while True:
-            fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+            except OSError as err:
+                raise ValueError(
+                    f"{self.who}: cannot write beside {self.flag} '{self.path}' "
+                    f"({err.strerror or err}: '{self.lock_path}'); pass a {self.flag} in a "
+                    "folder you can write"
+                ) from None
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as err:

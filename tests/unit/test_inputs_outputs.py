@@ -132,6 +132,12 @@ def test_a_held_output_lock_is_taken_over_once_released(tmp_path):
     assert not any(tmp_path.iterdir())
     with OutputLock(out, who="tokenize"):
         pass
+    with pytest.raises(
+        ValueError,
+        match=r"tokenize: cannot write beside --out '.*x.tok' \(.*: "
+        r"'.*missing/.x.tok.lock'\); pass a --out in a folder you can write",
+    ):
+        OutputLock(tmp_path / "missing" / "x.tok", who="tokenize").acquire()
 
 
 # ---- silently wrong -----------------------------------------------------------------------------
