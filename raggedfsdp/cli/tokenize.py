@@ -7,7 +7,7 @@ Examples::
     python -m raggedfsdp train --data corpus.tok --model llama-tiny
 
 The input is read as ``train --data`` reads it (``raggedfsdp.train.data.iter_documents``:
-a ``*.jsonl`` file gives one document per record, its ``"text"`` field), each document
+a ``*.jsonl`` or ``*.json`` file gives one document per record, its ``"text"`` field), each document
 goes to training or validation by the hash of its name, as in ``train``, and its ids are
 streamed to the file, so memory holds one batch of documents at a time. The same input,
 tokenizer and ``--max-bytes`` give the ids ``train --data INPUT --tokenizer DIR`` would
@@ -23,7 +23,12 @@ from pathlib import Path
 
 from raggedfsdp.train.data import DataConfig, data_files, head, is_json, is_val, iter_documents
 from raggedfsdp.train.outputs import OutputLock, check_not_input
-from raggedfsdp.train.tokens import TokenFileWriter, is_token_file, load_tokenizer
+from raggedfsdp.train.tokens import (
+    TokenFileWriter,
+    is_token_file,
+    load_tokenizer,
+    tokenizer_file,
+)
 
 BATCH_BYTES = 1 << 20  # text encoded per call of the tokenizer
 
@@ -35,7 +40,11 @@ def build_parser() -> argparse.ArgumentParser:
         "a memory-mapped token file for train --data, split into training and validation.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("input", help="a text file, a JSON-lines file (*.jsonl) or a folder of both")
+    p.add_argument(
+        "input",
+        help="a text file, a JSON-lines file (*.jsonl, *.json), a pipe (read once) or a folder "
+        "of them",
+    )
     p.add_argument("--out", required=True, help="the token file to write")
     p.add_argument(
         "--tokenizer",
@@ -69,9 +78,7 @@ def _check(args) -> DataConfig:
     if not 0.0 < args.val_fraction < 1.0:
         raise ValueError(f"tokenize: --val-fraction must be in (0, 1), got {args.val_fraction}")
     source = Path(args.input)
-    tokenizer = args.tokenizer
-    if tokenizer is not None and Path(tokenizer).is_dir():
-        tokenizer = str(Path(tokenizer) / "tokenizer.json")
+    tokenizer = None if args.tokenizer is None else tokenizer_file(args.tokenizer)
     check_not_input(args.out, [("input", args.input), ("--tokenizer", tokenizer)], who="tokenize")
     _check_out(args)
     if not source.is_dir() and source.exists() and not is_json(source):

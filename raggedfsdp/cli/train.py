@@ -128,7 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--data",
         default=None,
-        help='a text file, a JSON-lines file (*.jsonl, a "text" field a line), a folder of '
+        help='a text file, a JSON-lines file (*.jsonl, *.json: a "text" field a line), a folder of '
         "both, or a token file (python -m raggedfsdp tokenize); default: the Python standard "
         "library's sources",
     )

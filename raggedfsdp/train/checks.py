@@ -166,7 +166,7 @@ def _check_data(args):
 
     from raggedfsdp.train.data import DataConfig, head, is_json, is_pipe, load_corpus
     from raggedfsdp.train.outputs import check_not_input
-    from raggedfsdp.train.tokens import is_token_file, load_tokenizer
+    from raggedfsdp.train.tokens import is_token_file, load_tokenizer, tokenizer_file
 
     tokenizer = getattr(args, "tokenizer", None)
     if args.data is not None and is_pipe(args.data):
@@ -176,10 +176,10 @@ def _check_data(args):
             f"tokenize it once (python -m raggedfsdp tokenize '{args.data}' --out data.tok) and "
             "pass --data data.tok"
         )
-    tokenizer_file = tokenizer
-    if tokenizer is not None and Path(tokenizer).is_dir():
-        tokenizer_file = str(Path(tokenizer) / "tokenizer.json")
-    check_not_input(args.out, [("--data", args.data), ("--tokenizer", tokenizer_file)], who="train")
+    inputs = [("--data", args.data)]
+    if tokenizer is not None:
+        inputs.append(("--tokenizer", tokenizer_file(tokenizer)))
+    check_not_input(args.out, inputs, who="train")
     token_file = args.data is not None and is_token_file(args.data)
     if tokenizer is not None and not token_file:  # before the text is encoded with it
         _check_vocab(args, load_tokenizer(tokenizer).vocab_size, f"--tokenizer '{tokenizer}'")

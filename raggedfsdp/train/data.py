@@ -66,10 +66,12 @@ class DataConfig:
     """Where the text comes from, how much of it to use, and how it becomes ids.
 
     Args:
-        path: a text file, a JSON-lines file (``*.jsonl``: one JSON object a line, its
-            text in the ``"text"`` field), a token file (``python -m raggedfsdp tokenize``;
-            see [Note: token file format] in ``tokens.py``), or a folder of text and
-            JSON-lines files; None: the standard library's ``*.py`` sources. Default None.
+        path: a text file, a JSON-lines file (``*.jsonl`` or ``*.json``, any case: one
+            JSON object a line, its text in the ``"text"`` field), a token file (``python
+            -m raggedfsdp tokenize``; see [Note: token file format] in ``tokens.py``), a
+            pipe (read once, held in memory), or a folder of text and JSON-lines files
+            (hidden files skipped); None: the standard library's ``*.py`` sources.
+            Default None.
         max_bytes: read at most this many bytes of text (documents in order, the last one
             cut); None: all of it. A token file is mapped whole. Default 8 MiB.
         val_fraction: share of the documents held out for validation, in (0, 1).
@@ -315,7 +317,7 @@ def _records(path: Path, data: bytes, rel: str, file: int) -> Iterator[Document]
 def iter_documents(config: DataConfig) -> Iterator[Document]:
     """The documents of ``config``, in order, until ``max_bytes`` bytes of text.
 
-    A ``*.jsonl`` file gives one document per record, any other file one document; a
+    A JSON file (``is_json``) gives one document per record, any other file one document; a
     binary file (NUL bytes) inside a folder is skipped. Token files are not documents:
     ``load_corpus`` maps them.
 

@@ -62,6 +62,7 @@ __all__ = [
     "is_token_file",
     "load_tokenizer",
     "read_token_file",
+    "tokenizer_file",
     "split_point",
     "token_dtype",
 ]
@@ -181,6 +182,12 @@ class FileTokenizer:
         return ids.astype(token_dtype(self.vocab_size))
 
 
+def tokenizer_file(path: str | os.PathLike) -> Path:
+    """The ``tokenizer.json`` that ``--tokenizer path`` names (a folder holding it, or it)."""
+    where = Path(path)
+    return where / "tokenizer.json" if where.is_dir() else where
+
+
 def load_tokenizer(path: str | None) -> ByteTokenizer | FileTokenizer:
     """The tokenizer in ``path``: a folder holding ``tokenizer.json``, or that file.
 
@@ -194,7 +201,7 @@ def load_tokenizer(path: str | None) -> ByteTokenizer | FileTokenizer:
     if path is None:
         return BYTE_TOKENIZER
     where = Path(path)
-    file = where / "tokenizer.json" if where.is_dir() else where
+    file = tokenizer_file(path)
     if not file.is_file():
         what = "holds no tokenizer.json" if where.is_dir() else "does not exist"
         raise ValueError(
