@@ -10,6 +10,7 @@ See [Note: commit protocol] in ``_files`` and [Note: checkpoint keys] in ``_stat
 
 from raggedfsdp.checkpoint._api import (
     SaveHandle,
+    hold_checkpoint,
     latest_checkpoint,
     list_checkpoints,
     load,
@@ -23,6 +24,7 @@ __all__ = [
     "CorruptCheckpointError",
     "SaveHandle",
     "export_safetensors",
+    "hold_checkpoint",
     "latest_checkpoint",
     "list_checkpoints",
     "load",

@@ -11,6 +11,7 @@ import contextlib
 import os
 import threading
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -26,6 +27,7 @@ from raggedfsdp.checkpoint.files import CorruptCheckpointError
 
 __all__ = [
     "SaveHandle",
+    "hold_checkpoint",
     "latest_checkpoint",
     "list_checkpoints",
     "load",
@@ -284,7 +286,39 @@ def _cleanup(root: Path, keep_last: int | None, step: int) -> None:
     found = [(s, p) for s, p in files.checkpoints(root) if s <= step]
     for s, old in found[: max(0, len(found) - keep_last)]:
         if s != step:
-            files.remove(old, hook=files.fault_point)
+            files.remove_unheld(old, hook=files.fault_point)  # a reader's stays: hold_checkpoint
+
+
+@contextlib.contextmanager
+def hold_checkpoint(path: str | os.PathLike) -> Iterator[tuple[int, Path]]:
+    """Hold a checkpoint while this process reads it: a ``save`` into its root (another
+    job's, with ``keep_last``) does not delete it meanwhile. On this process alone.
+
+    Args:
+        path: a checkpoint directory, or a root of ``save`` (its newest complete
+            checkpoint is held; if a cleanup deletes it while it is picked, the newest
+            again).
+
+    Yields:
+        ``(step, directory)`` of the held checkpoint.
+
+    Raises:
+        ValueError: no complete checkpoint at ``path``.
+    """
+    for _ in range(100):  # each retry follows a checkpoint deleted as it was picked
+        step, chosen = files.resolve(path)
+        fd = files.hold(chosen)
+        if fd is not None:
+            break
+    else:
+        raise ValueError(
+            f"hold_checkpoint: the checkpoints of '{path}' were deleted as fast as they were "
+            "picked; pass one that is not being deleted"
+        )
+    try:
+        yield step, chosen
+    finally:
+        os.close(fd)
 
 
 def latest_checkpoint(path: str | os.PathLike) -> Path | None:

@@ -33,6 +33,14 @@ A root never holds a checkpoint newer than the one being saved: ``save`` refuses
 step lower than the newest one there (another run's, or a later point of this one),
 since ``load`` would pick that one. So "newest" by step is the order of the run's own
 saves, and ``keep_last`` deletes only its older checkpoints.
+
+A reader that must not lose the checkpoint it picked (``python -m raggedfsdp export``
+while the run trains and prunes) holds a shared ``flock`` on the checkpoint directory
+(``hold``, ``checkpoint.hold_checkpoint``) from picking it to the end of its read. The
+cleanup deletes a checkpoint only if it can lock it exclusively, and renames it out of
+sight while locked, so a reader either holds a complete checkpoint or sees that it is
+gone and picks again; a held checkpoint is deleted by the first save after its reader
+ends.
 """
 
 from __future__ import annotations
@@ -58,6 +66,8 @@ __all__ = [
     "flock_directory",
     "fsync_dir",
     "check_space",
+    "hold",
+    "remove_unheld",
     "disk_full",
     "checkpoints",
     "commit",
@@ -68,6 +78,7 @@ __all__ = [
     "remove",
     "space_report",
     "resolve",
+    "staging_path",
     "step_dir",
     "stale_dirs",
     "tmp_dir",
@@ -122,11 +133,19 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def staging_path(path: Path, kind: str = "part") -> Path:
+    """Where ``path`` is written before it is renamed into place: a hidden name beside it,
+    unique to this process (``.NAME.PID.KIND``). Hidden, so that no reader of a folder
+    (``train --data DIR``, ``tokenize DIR``) ever takes a half-written file as input."""
+    path = Path(path)
+    return path.with_name(f".{path.name}.{os.getpid()}.{kind}")
+
+
 def replace_file(path: Path, data: bytes) -> None:
-    """Replace ``path`` by ``data`` atomically: written to ``path.part`` and fsynced, then
-    renamed over ``path`` (a crash leaves the old file or the new one, never a mix). The
-    rename is durable once the directory is fsynced (``fsync_dir``)."""
-    part = path.with_name(path.name + ".part")
+    """Replace ``path`` by ``data`` atomically: written to ``staging_path(path)`` and
+    fsynced, then renamed over ``path`` (a crash leaves the old file or the new one, never
+    a mix). The rename is durable once the directory is fsynced (``fsync_dir``)."""
+    part = staging_path(path)
     with open(part, "wb") as f:
         f.write(data)
         f.flush()
@@ -369,6 +388,49 @@ class RootLock(DirectoryLock):
                 "into it at once would not be detected",
                 stacklevel=5,
             )
+
+
+# ---- a reader holds the checkpoint it reads -----------------------------------------------
+def hold(path: Path) -> int | None:
+    """A shared ``flock`` on the checkpoint directory ``path``: the file descriptor that
+    holds it until closed, or None if ``path`` is no longer a complete checkpoint (a save's
+    cleanup deleted it since it was picked). Waits while a cleanup is deleting it.
+
+    A save's cleanup deletes only checkpoints it can lock exclusively (``remove_unheld``),
+    so a held checkpoint outlives ``keep_last`` until the next save after its reader ends.
+    See [Note: commit protocol].
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)
+    except OSError:
+        pass  # a filesystem without flock: read unheld (a cleanup may still delete it)
+    try:
+        here = os.path.samestat(os.fstat(fd), os.stat(path)) and (path / MARKER).is_file()
+    except OSError:
+        here = False
+    if not here:
+        os.close(fd)
+        return None
+    return fd
+
+
+def remove_unheld(path: Path, hook=None) -> bool:
+    """``remove`` a checkpoint unless a reader ``hold``s it; whether it was removed."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as err:
+            if err.errno in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+                return False  # a reader holds it: the next save's cleanup removes it
+        remove(path, hook=hook)  # renamed out of sight while locked: a new reader misses it
+        return True
+    finally:
+        os.close(fd)
 
 
 # ---- free space ---------------------------------------------------------------------------

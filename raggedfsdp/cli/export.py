@@ -20,6 +20,7 @@ Every argument is checked before anything is read or written.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -71,9 +72,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _check(args) -> tuple[str, Path, Path]:
-    """``(model, checkpoint, out)``, or a ValueError naming the argument and the fix."""
-    from raggedfsdp.checkpoint import latest_checkpoint, verify_checkpoint
-    from raggedfsdp.models.hf import check_hf_causal_lm, is_hf_model
+    """``(model, checkpoint, out)``, or a ValueError naming the argument and the fix. The
+    checkpoint is ``--checkpoint`` or the run's checkpoint root (its newest is picked and
+    held by ``main``, then verified)."""
+    from raggedfsdp.checkpoint import latest_checkpoint
+    from raggedfsdp.models.hf import check_hf_causal_lm, hf_directory, is_hf_model
+    from raggedfsdp.train.outputs import check_not_input
     from raggedfsdp.train.rundir import CKPT, RUN_FILE
 
     run = Path(args.run)
@@ -100,19 +104,20 @@ def _check(args) -> tuple[str, Path, Path]:
     if args.checkpoint is not None:
         ckpt = Path(args.checkpoint)
     else:
-        ckpt = latest_checkpoint(run / CKPT)
-        if ckpt is None:
+        ckpt = run / CKPT
+        if latest_checkpoint(ckpt) is None:
             raise ValueError(
-                f"export: '{run / CKPT}' holds no complete checkpoint; train with --ckpt-every "
+                f"export: '{ckpt}' holds no complete checkpoint; train with --ckpt-every "
                 "K (a run saves its last step too), or pass --checkpoint DIR"
             )
-    problem = verify_checkpoint(ckpt)
-    if problem is not None:
-        raise ValueError(
-            f"export: the checkpoint '{ckpt}' cannot be read: {problem}; pass another with "
-            f"--checkpoint (the complete ones are the step_XXXXXXXX folders of '{run / CKPT}')"
-        )
     out = Path(args.hf)
+    check_not_input(out, [("--run", run), ("--model", hf_directory(model))], who="export",
+                    flag="--hf")  # fmt: skip
+    _check_out(out)
+    return model, ckpt, out
+
+
+def _check_out(out: Path) -> None:
     if out.exists():
         raise ValueError(f"export: --hf '{out}' exists; pass a new directory")
     parent = out.absolute().parent
@@ -121,7 +126,17 @@ def _check(args) -> tuple[str, Path, Path]:
             f"export: --hf '{out}': its parent '{parent}' is not a writable folder; create it "
             "or pass another --hf"
         )
-    return model, ckpt, out
+
+
+def _verified(ckpt: Path, run: str) -> None:
+    from raggedfsdp.checkpoint import verify_checkpoint
+
+    problem = verify_checkpoint(ckpt)
+    if problem is not None:
+        raise ValueError(
+            f"export: the checkpoint '{ckpt}' cannot be read: {problem}; pass another with "
+            f"--checkpoint (the complete ones are the step_XXXXXXXX folders of '{run}/ckpt')"
+        )
 
 
 def export_hf(model_source: str, ckpt: Path, out: Path, dtype: str = "float32") -> int:
@@ -174,12 +189,37 @@ def export_hf(model_source: str, ckpt: Path, out: Path, dtype: str = "float32") 
 
 
 def main(argv: list[str]) -> int:
+    """Check, hold ``--hf`` and the checkpoint, export; see [Note: a command holds its
+    output] in ``raggedfsdp/train/outputs.py``."""
+    from raggedfsdp.checkpoint import hold_checkpoint
+    from raggedfsdp.train.outputs import OutputLock
+
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        model, ckpt, out = _check(args)
-    except ValueError as e:
+        model, source, out = _check(args)
+        with contextlib.ExitStack() as held:
+            held.enter_context(OutputLock(out, who="export", flag="--hf"))
+            _check_out(out)  # again, holding it: another export may have written it since
+            try:  # a save's keep_last does not delete it while we read
+                step, ckpt = held.enter_context(hold_checkpoint(source))
+            except ValueError as e:
+                _verified(source, args.run)  # names what is wrong with it
+                raise ValueError(f"export: {e}; pass another --checkpoint") from None
+            _verified(ckpt, args.run)
+            step = _export(model, ckpt, out, args.dtype)
+    except (ValueError, NotImplementedError) as e:
         parser.error(str(e))
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(f"export: wrote '{out}' from '{ckpt}' (step {step}) of {model}")
+    return 0
+
+
+def _export(model: str, ckpt: Path, out: Path, dtype: str) -> int:
+    """``export_hf`` in this process's group, or in a one-rank group of its own. A model
+    that does not match the checkpoint is a ValueError naming both."""
     import torch.distributed as dist
 
     own_group = not dist.is_initialized()
@@ -188,14 +228,16 @@ def main(argv: list[str]) -> int:
         store = f"file://{rendezvous}/store"
         dist.init_process_group("gloo", init_method=store, rank=0, world_size=1)
     try:
-        step = export_hf(model, ckpt, out, args.dtype)
+        return export_hf(model, ckpt, out, dtype)
+    except ValueError as e:
+        raise ValueError(
+            f"export: the checkpoint '{ckpt}' does not fit --model {model}: {e}; pass "
+            "--model hf:DIR with the directory the run trained"
+        ) from None
     finally:
         if own_group:
             dist.destroy_process_group()
             shutil.rmtree(rendezvous, ignore_errors=True)
-    if own_group or dist.get_rank() == 0:
-        print(f"export: wrote '{out}' from '{ckpt}' (step {step}) of {model}")
-    return 0
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ Examples::
     python -m raggedfsdp train --data corpus.tok --model llama-tiny
 
 The input is read as ``train --data`` reads it (``raggedfsdp.train.data.iter_documents``:
-a ``*.jsonl`` file gives one document per record, its ``"text"`` field), each document
+a ``*.jsonl`` or ``*.json`` file gives one document per record, its ``"text"`` field), each document
 goes to training or validation by the hash of its name, as in ``train``, and its ids are
 streamed to the file, so memory holds one batch of documents at a time. The same input,
 tokenizer and ``--max-bytes`` give the ids ``train --data INPUT --tokenizer DIR`` would
@@ -21,8 +21,14 @@ import importlib.util
 import sys
 from pathlib import Path
 
-from raggedfsdp.train.data import DataConfig, data_files, is_val, iter_documents
-from raggedfsdp.train.tokens import TokenFileWriter, is_token_file, load_tokenizer
+from raggedfsdp.train.data import DataConfig, data_files, head, is_json, is_val, iter_documents
+from raggedfsdp.train.outputs import OutputLock, check_not_input
+from raggedfsdp.train.tokens import (
+    TokenFileWriter,
+    is_token_file,
+    load_tokenizer,
+    tokenizer_file,
+)
 
 BATCH_BYTES = 1 << 20  # text encoded per call of the tokenizer
 
@@ -34,7 +40,11 @@ def build_parser() -> argparse.ArgumentParser:
         "a memory-mapped token file for train --data, split into training and validation.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("input", help="a text file, a JSON-lines file (*.jsonl) or a folder of both")
+    p.add_argument(
+        "input",
+        help="a text file, a JSON-lines file (*.jsonl, *.json), a pipe (read once) or a folder "
+        "of them",
+    )
     p.add_argument("--out", required=True, help="the token file to write")
     p.add_argument(
         "--tokenizer",
@@ -67,24 +77,17 @@ def _check(args) -> DataConfig:
         raise ValueError(f"tokenize: --max-bytes must be >= 2, got {args.max_bytes}")
     if not 0.0 < args.val_fraction < 1.0:
         raise ValueError(f"tokenize: --val-fraction must be in (0, 1), got {args.val_fraction}")
-    out = Path(args.out)
-    if out.is_dir():
-        raise ValueError(f"tokenize: --out '{out}' is a folder; pass a file name")
-    if out.exists() and not args.overwrite:
-        raise ValueError(
-            f"tokenize: --out '{out}' exists; pass --overwrite to replace it, or another --out"
-        )
-    if not out.parent.is_dir():
-        raise ValueError(f"tokenize: the folder of --out '{out}' does not exist; create it")
     source = Path(args.input)
-    if source.is_file() and source.suffix != ".jsonl":
-        with open(source, "rb") as f:
-            if b"\0" in f.read(8192):
-                raise ValueError(
-                    f"tokenize: '{source}' is not text (it holds NUL bytes: a binary file?); "
-                    "pass a text file, a JSON-lines file or a folder (whose binary files are "
-                    "skipped)"
-                )
+    tokenizer = None if args.tokenizer is None else tokenizer_file(args.tokenizer)
+    check_not_input(args.out, [("input", args.input), ("--tokenizer", tokenizer)], who="tokenize")
+    _check_out(args)
+    if not source.is_dir() and source.exists() and not is_json(source):
+        if b"\0" in head(source):  # a pipe is read here, once
+            raise ValueError(
+                f"tokenize: '{source}' is not text (it holds NUL bytes: a binary file?); "
+                "pass a text file, a JSON-lines file or a folder (whose binary files are "
+                "skipped)"
+            )
     if not args.no_progress and importlib.util.find_spec("tqdm") is None:
         raise ValueError(
             "tokenize: the progress bar needs tqdm, which is not installed; install the "
@@ -98,6 +101,18 @@ def _check(args) -> DataConfig:
     )
     data_files(config)  # the input exists
     return config
+
+
+def _check_out(args) -> None:
+    out = Path(args.out)
+    if out.is_dir():
+        raise ValueError(f"tokenize: --out '{out}' is a folder; pass a file name")
+    if out.exists() and not args.overwrite:
+        raise ValueError(
+            f"tokenize: --out '{out}' exists; pass --overwrite to replace it, or another --out"
+        )
+    if not out.parent.is_dir():
+        raise ValueError(f"tokenize: the folder of --out '{out}' does not exist; create it")
 
 
 def tokenize(config: DataConfig, out: str | Path, *, progress: bool = False) -> dict:
@@ -166,7 +181,10 @@ def main(argv: list[str]) -> int:
     try:
         config = _check(args)
         load_tokenizer(args.tokenizer)  # a bad tokenizer is refused before the bar starts
-        done = tokenize(config, args.out, progress=not args.no_progress)
+        # one writer per --out: see [Note: a command holds its output]
+        with OutputLock(args.out, who="tokenize"):
+            _check_out(args)  # again, holding it: another tokenize may have written it since
+            done = tokenize(config, args.out, progress=not args.no_progress)
     except ValueError as e:
         parser.error(str(e))
     print(

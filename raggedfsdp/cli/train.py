@@ -128,7 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--data",
         default=None,
-        help='a text file, a JSON-lines file (*.jsonl, a "text" field a line), a folder of '
+        help='a text file, a JSON-lines file (*.jsonl, *.json: a "text" field a line), a folder of '
         "both, or a token file (python -m raggedfsdp tokenize); default: the Python standard "
         "library's sources",
     )
@@ -242,13 +242,32 @@ def torchrun_launch(args) -> int:
     except ChildFailedError as err:
         from raggedfsdp.train.rundir import checkpoint_state
 
-        rank, failure = err.get_first_failure()
+        rank, failure = first_failure(err.failures)
+        others = len(err.failures) - 1
+        after = f" ({others} other rank{'s' * (others > 1)} failed with it)" if others else ""
         print(
-            f"train: failed: {rank_exit(rank, failure.exitcode)}. {checkpoint_state(args)}",
+            f"train: failed: {rank_exit(rank, failure.exitcode)}{after}. {checkpoint_state(args)}",
             file=sys.stderr,
         )
         return 1
     return 0
+
+
+def first_failure(failures: dict) -> tuple[int, object]:
+    """The rank whose failure caused the others, from torchrun's ``{rank: ProcessFailure}``:
+    one killed by a signal (it leaves no message), else one that failed on its own, else
+    one that lost a peer (``PEER_LOST_EXIT``); the earliest, then the lowest, among equals.
+    torchrun's own pick (the earliest timestamp, to the second) names the lowest rank of a
+    job whose ranks all ended within a second: most often a rank that only lost its peer."""
+    from raggedfsdp.train.guard import PEER_LOST_EXIT
+
+    def cause(rank: int) -> tuple:
+        code = failures[rank].exitcode
+        kind = 0 if code < 0 else 2 if code == PEER_LOST_EXIT else 1
+        return kind, failures[rank].timestamp, rank
+
+    rank = min(failures, key=cause)
+    return rank, failures[rank]
 
 
 # What most often sends a rank each signal: a rank killed by one prints nothing itself.
@@ -264,6 +283,13 @@ _SIGNAL_CAUSES = {
 
 def rank_exit(rank: int, code: int) -> str:
     """How ``rank`` ended, from its exit code as torchrun reports it (negative: a signal)."""
+    from raggedfsdp.train.guard import PEER_LOST_EXIT
+
+    if code == PEER_LOST_EXIT:
+        return (
+            f"rank {rank} lost a peer in a collective (a rank stopped or died without a "
+            "word; its message is above)"
+        )
     if code >= 0:
         return f"rank {rank} exited with code {code} (its message is above)"
     try:

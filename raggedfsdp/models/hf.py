@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import math
 from pathlib import Path
 from typing import Any
@@ -62,7 +63,9 @@ __all__ = [
     "check_hf_causal_lm",
     "hf_blocks",
     "hf_config",
+    "check_hf_weights",
     "hf_directory",
+    "hf_ffn_width",
     "hf_weight_files",
     "is_hf_model",
     "load_hf_weights",
@@ -138,16 +141,44 @@ def check_hf_causal_lm(model: str, *, who: str = "train") -> Any:
         ImportError: transformers is not installed.
     """
     config = hf_config(model, who=who)
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+    )
 
+    where = hf_directory(model) / "config.json"
     if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         raise ValueError(
-            f"{who}: --model {model}: model_type {config.model_type!r} of "
-            f"{hf_directory(model) / 'config.json'} is not a causal language model "
-            "(AutoModelForCausalLM does not build it); pass a decoder such as llama, "
-            "qwen3 or qwen3_moe"
+            f"{who}: --model {model}: model_type {config.model_type!r} of {where} is not a "
+            "causal language model (AutoModelForCausalLM does not build it); pass a decoder "
+            "such as llama, qwen3, qwen3_moe or gpt2"
+        )
+    if getattr(config, "is_encoder_decoder", False) or (
+        config.model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES
+    ):
+        head = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]
+        raise NotImplementedError(
+            f"{who}: --model {model}: model_type {config.model_type!r} of {where} is an "
+            f"encoder (a masked or sequence-to-sequence model; its causal head {head} is not a "
+            "decoder-only language model), which is not trained here; pass a decoder-only "
+            "model such as llama, qwen3, qwen3_moe or gpt2"
         )
     return config
+
+
+# The names transformers' configs give the feed-forward width, by architecture (GPT-2's
+# ``n_inner``, None: 4 x ``n_embd``; T5's ``d_ff``; OPT's ``ffn_dim``).
+_FFN_FIELDS = ("intermediate_size", "n_inner", "ffn_dim", "d_ff", "ffn_hidden_size")
+
+
+def hf_ffn_width(config: Any, hidden: int) -> int:
+    """The dense feed-forward width of a config, whatever its architecture calls it
+    (``_FFN_FIELDS``); ``4 * hidden`` (GPT-2's default) where it names none."""
+    for name in _FFN_FIELDS:
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return 4 * hidden
 
 
 def build_hf_model(
@@ -283,49 +314,117 @@ class _Source:
     members: tuple[tuple[_Part, ...], ...] | None = None
 
 
-class _Files:
-    """The safetensors files of a directory: every key's file, the handles opened once."""
+INDEX = "model.safetensors.index.json"
 
-    def __init__(self, directory: Path, stack: contextlib.ExitStack):
+
+def _unreadable(path: Path, err: BaseException) -> ValueError:
+    return ValueError(
+        f"load_hf_weights: '{path}' is not a readable safetensors file ({type(err).__name__}: "
+        f"{err}): truncated or damaged; save the weights again (save_pretrained) or copy the "
+        "file again, or remove every *.safetensors file to start from a random init"
+    )
+
+
+class _Files:
+    """The safetensors files of a directory: every tensor's file, under the name the module
+    gives it (transformers' renamings of ``model_type`` applied), the handles opened once.
+
+    Raises:
+        ValueError: a shard that ``model.safetensors.index.json`` lists is missing, a file
+            that is not readable safetensors (each named), or a tensor in two files.
+    """
+
+    def __init__(self, directory: Path, stack: contextlib.ExitStack, renamings=()):
         from safetensors import safe_open
 
-        self.handles: dict[str, Any] = {}
+        self.handles: dict[str, Any] = {}  # module name -> handle
+        self.names: dict[str, str] = {}  # module name -> the file's name
+        self.paths: dict[str, Path] = {}  # module name -> file
+        index = directory / INDEX
+        if index.is_file():
+            try:
+                listed = set(json.loads(index.read_text())["weight_map"].values())
+            except (ValueError, KeyError, TypeError, AttributeError) as e:
+                raise ValueError(
+                    f"load_hf_weights: '{index}' is not a safetensors index ({e}); save the "
+                    "weights again (save_pretrained), or remove the index"
+                ) from None
+            missing = sorted(f for f in listed if not (directory / f).is_file())
+            if missing:
+                raise ValueError(
+                    f"load_hf_weights: '{index}' lists {len(missing)} shard file(s) that "
+                    f"'{directory}' lacks: {missing[:4]}; copy them there (a download or copy "
+                    "that stopped early?)"
+                )
         for path in hf_weight_files(directory):
-            handle = stack.enter_context(safe_open(str(path), framework="pt", device="cpu"))
-            for key in handle.keys():
-                if key in self.handles:
+            try:
+                handle = stack.enter_context(safe_open(str(path), framework="pt", device="cpu"))
+                keys = list(handle.keys())
+            except Exception as e:  # safetensors' own error type, from its Rust side
+                raise _unreadable(path, e) from None
+            for key in keys:
+                name = _renamed(key, renamings)
+                if name in self.handles:
                     raise ValueError(
-                        f"load_hf_weights: tensor {key!r} is in two safetensors files of "
-                        f"'{directory}'; keep one copy of each tensor"
+                        f"load_hf_weights: tensor {name!r} is in two safetensors files of "
+                        f"'{directory}' ('{self.paths[name].name}', '{path.name}'); keep one "
+                        "copy of each tensor"
                     )
-                self.handles[key] = handle
+                self.handles[name], self.names[name], self.paths[name] = handle, key, path
         self.read = 0  # elements read
 
     def shape(self, key: str) -> tuple[int, ...]:
-        return tuple(self.handles[key].get_slice(key).get_shape())
+        return tuple(self.handles[key].get_slice(self.names[key]).get_shape())
 
     def slice(self, key: str, *index) -> Tensor:
-        handle = self.handles[key]
-        out = handle.get_slice(key)[index] if index else handle.get_tensor(key)
+        handle, name = self.handles[key], self.names[key]
+        try:
+            out = handle.get_slice(name)[index] if index else handle.get_tensor(name)
+        except Exception as e:  # a file damaged after its header
+            raise _unreadable(self.paths[key], e) from None
         self.read += out.numel()
         return out
 
 
-def _converters(model_type: str) -> list:
-    """transformers' checkpoint conversions for ``model_type`` (none in older versions)."""
+def _renamed(key: str, renamings) -> str:
+    """``key`` as transformers renames it on load (its ``WeightRenaming``s, in order)."""
+    for renaming in renamings:
+        key = renaming.rename_source_key(key)[0]
+    return key
+
+
+def _conversions(model_type: str) -> tuple[list, list]:
+    """transformers' checkpoint conversions for ``model_type``: ``(renamings,
+    converters)`` (none in older versions).
+
+    Raises:
+        NotImplementedError: a conversion of another kind, named.
+    """
     try:
         from transformers.conversion_mapping import get_checkpoint_conversion_mapping
     except ImportError:
-        return []
-    found = get_checkpoint_conversion_mapping(model_type) or []
-    return [c for c in found if hasattr(c, "operations") and len(c.target_patterns) == 1]
+        return [], []
+    renamings, converters = [], []
+    for c in get_checkpoint_conversion_mapping(model_type) or []:
+        if hasattr(c, "operations") and len(c.target_patterns) == 1:
+            converters.append(c)
+        elif type(c).__name__ == "WeightRenaming" and hasattr(c, "rename_source_key"):
+            renamings.append(c)
+        else:
+            raise NotImplementedError(
+                f"load_hf_weights: transformers loads model_type {model_type!r} through "
+                f"{type(c).__name__}({c.source_patterns} -> {c.target_patterns}), which is not "
+                "read here; save the weights under the module's own names (what python -m "
+                "raggedfsdp export --hf writes)"
+            )
+    return renamings, converters
 
 
 def _stacked(fqn: str, shape: tuple[int, ...], files: _Files, converters: list) -> _Source | None:
     """The stack ``fqn`` as a conversion of per-member file tensors, or None if none fits."""
     for conv in converters:
         target = conv.target_patterns[0]
-        if not fqn.endswith("." + target):
+        if not fqn.endswith(target if target.startswith(".") else "." + target):
             continue
         ops = [(type(op).__name__, getattr(op, "dim", None)) for op in conv.operations]
         if ops not in ([("MergeModulelist", 0)], [("MergeModulelist", 0), ("Concatenate", 1)]):
@@ -429,6 +528,68 @@ def _read_rows(src: _Source, k: int, lo: int, hi: int, files: _Files) -> Tensor:
     return torch.cat([p.reshape(-1, row) for p in pieces])
 
 
+def _named_tensors(model: nn.Module) -> list[tuple[str, Tensor]]:
+    """The parameters and persistent buffers of ``model``: what its files must hold."""
+    named = list(model.named_parameters())
+    persistent = {
+        f"{mod}.{name}" if mod else name
+        for mod, m in model.named_modules()
+        for name, _ in m.named_buffers(recurse=False)
+        if name not in m._non_persistent_buffers_set
+    }
+    return named + [(n, b) for n, b in model.named_buffers() if n in persistent]
+
+
+def _plan(named, files: _Files, converters: list, directory: Path) -> dict[str, _Source]:
+    """Where each of ``named`` is in the files.
+
+    Raises:
+        ValueError: a tensor missing from the files (the first few named), or of
+            another shape than the module's.
+    """
+    sources, missing = {}, []
+    for fqn, t in named:
+        shape = tuple(t.shape)
+        if fqn in files.handles:
+            got = files.shape(fqn)
+            if got != shape:
+                raise ValueError(
+                    f"load_hf_weights: {fqn!r} has shape {got} in '{files.paths[fqn]}', the "
+                    f"module's is {shape}; the weights do not match config.json"
+                )
+            sources[fqn] = _Source(fqn, shape)
+        elif (found := _stacked(fqn, shape, files, converters)) is not None:
+            sources[fqn] = found
+        else:
+            missing.append(fqn)
+    if missing:
+        raise ValueError(
+            f"load_hf_weights: the safetensors files of '{directory}' hold no tensor for "
+            f"{len(missing)} of the model's: {missing[:4]}; pass a directory whose weights "
+            "match its config.json, or one without *.safetensors files (random init)"
+        )
+    return sources
+
+
+def check_hf_weights(model: nn.Module, directory: str | Path) -> None:
+    """What ``load_hf_weights`` checks before it reads a value, on a model without storage
+    (``meta``): every index-listed shard present, every file readable safetensors, a tensor
+    for each of the model's (under transformers' renamings and conversions) of its shape.
+    Reads the files' headers only. Does nothing where ``directory`` holds no weights.
+
+    Raises:
+        ValueError: as ``load_hf_weights``, naming the file.
+        NotImplementedError: a conversion that is not read here.
+    """
+    directory = Path(directory)
+    if not hf_weight_files(directory) and not (directory / INDEX).is_file():
+        return
+    config = getattr(model, "config", None)
+    renamings, converters = _conversions(getattr(config, "model_type", ""))
+    with contextlib.ExitStack() as stack:
+        _plan(_named_tensors(model), _Files(directory, stack, renamings), converters, directory)
+
+
 @torch.no_grad()
 def load_hf_weights(model: nn.Module, directory: str | Path) -> int:
     """Fill every parameter and persistent buffer of ``model`` from ``directory``'s
@@ -443,8 +604,10 @@ def load_hf_weights(model: nn.Module, directory: str | Path) -> int:
         The elements this rank read (its parameters' local elements, and its buffers').
 
     Raises:
-        ValueError: no safetensors file, a tensor of the model missing from the files (the
-            first few named), or one whose shape differs from the module's.
+        ValueError: no safetensors file, a shard the index lists missing, a file that is
+            not readable safetensors, a tensor of the model missing from the files (the
+            first few named), one whose shape differs from the module's, or one holding
+            nan or inf (each naming the file).
         NotImplementedError: a conversion or placement that is not read row by row.
     """
     directory = Path(directory)
@@ -453,42 +616,29 @@ def load_hf_weights(model: nn.Module, directory: str | Path) -> int:
             f"load_hf_weights: '{directory}' holds no *.safetensors file; save the weights "
             "with save_pretrained (safetensors), or start from a random init"
         )
-    named = list(model.named_parameters())
-    persistent = {
-        f"{mod}.{name}" if mod else name
-        for mod, m in model.named_modules()
-        for name, _ in m.named_buffers(recurse=False)
-        if name not in m._non_persistent_buffers_set
-    }
-    named += [(n, b) for n, b in model.named_buffers() if n in persistent]
+    named = _named_tensors(model)
     config = getattr(model, "config", None)
-    converters = _converters(getattr(config, "model_type", ""))
+    renamings, converters = _conversions(getattr(config, "model_type", ""))
     with contextlib.ExitStack() as stack:
-        files = _Files(directory, stack)
-        sources, missing = {}, []
-        for fqn, t in named:
-            shape = tuple(t.shape)
-            if fqn in files.handles:
-                got = files.shape(fqn)
-                if got != shape:
-                    raise ValueError(
-                        f"load_hf_weights: {fqn!r} has shape {got} in '{directory}', the "
-                        f"module's is {shape}; the weights do not match config.json"
-                    )
-                sources[fqn] = _Source(fqn, shape)
-            elif (found := _stacked(fqn, shape, files, converters)) is not None:
-                sources[fqn] = found
-            else:
-                missing.append(fqn)
-        if missing:
-            raise ValueError(
-                f"load_hf_weights: the safetensors files of '{directory}' hold no tensor for "
-                f"{len(missing)} of the model's: {missing[:4]}; pass a directory whose weights "
-                "match its config.json, or one without *.safetensors files (random init)"
-            )
+        files = _Files(directory, stack, renamings)
+        sources = _plan(named, files, converters, directory)
         for fqn, t in named:
             local = t.to_local() if isinstance(t, DTensor) else t
             k, lo, hi = _local_rows(t)
             rows = _read_rows(sources[fqn], k, lo, hi, files)
+            if rows.is_floating_point() and not bool(torch.isfinite(rows).all()):
+                source = sources[fqn]
+                keys = (
+                    [source.key]
+                    if source.members is None
+                    else [part.key for parts in source.members for part in parts]
+                )
+                where = sorted({files.paths[key].name for key in keys})
+                raise ValueError(
+                    f"load_hf_weights: {fqn!r} holds nan or inf values in '{directory}' "
+                    f"({', '.join(where)}): the weights are damaged, not the training; save "
+                    "them again from a healthy model, or remove the *.safetensors files to "
+                    "start from a random init"
+                )
             local.copy_(rows.reshape(local.shape))
         return files.read

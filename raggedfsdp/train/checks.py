@@ -164,24 +164,35 @@ def _check_data(args):
     in each split that is used."""
     from pathlib import Path
 
-    from raggedfsdp.train.data import DataConfig, load_corpus
-    from raggedfsdp.train.tokens import is_token_file, load_tokenizer
+    from raggedfsdp.train.data import DataConfig, head, is_json, is_pipe, load_corpus
+    from raggedfsdp.train.outputs import check_not_input
+    from raggedfsdp.train.tokens import is_token_file, load_tokenizer, tokenizer_file
 
-    token_file = args.data is not None and is_token_file(args.data)
     tokenizer = getattr(args, "tokenizer", None)
+    if args.data is not None and is_pipe(args.data):
+        raise ValueError(
+            f"train: --data '{args.data}' is a pipe (a FIFO, or <(command)), which can be read "
+            "once, but the launcher and every rank read --data; write it to a file first, or "
+            f"tokenize it once (python -m raggedfsdp tokenize '{args.data}' --out data.tok) and "
+            "pass --data data.tok"
+        )
+    inputs = [("--data", args.data)]
+    if tokenizer is not None:
+        inputs.append(("--tokenizer", tokenizer_file(tokenizer)))
+    check_not_input(args.out, inputs, who="train")
+    token_file = args.data is not None and is_token_file(args.data)
     if tokenizer is not None and not token_file:  # before the text is encoded with it
         _check_vocab(args, load_tokenizer(tokenizer).vocab_size, f"--tokenizer '{tokenizer}'")
     corpus = load_corpus(DataConfig(path=args.data, max_bytes=args.max_bytes, tokenizer=tokenizer))
     if token_file:
         _check_vocab(args, corpus.vocab_size, f"the token file --data '{args.data}'")
-    elif args.data is not None and Path(args.data).is_file():
-        with open(args.data, "rb") as f:  # load_corpus takes any bytes; this is a text demo
-            if b"\0" in f.read(8192):
-                raise ValueError(
-                    f"train: --data '{args.data}' is not text (it holds NUL bytes: a binary "
-                    "file?); pass a text file, a folder (whose binary files are skipped), a "
-                    "JSON-lines file, or a token file written by python -m raggedfsdp tokenize"
-                )
+    elif args.data is not None and Path(args.data).is_file() and not is_json(args.data):
+        if b"\0" in head(args.data):  # load_corpus takes any bytes; this is a text demo
+            raise ValueError(
+                f"train: --data '{args.data}' is not text (it holds NUL bytes: a binary "
+                "file?); pass a text file, a folder (whose binary files are skipped), a "
+                "JSON-lines file, or a token file written by python -m raggedfsdp tokenize"
+            )
     need = args.seq_len + 1
     splits = [("training", corpus.train)] + ([("validation", corpus.val)] if args.val_every else [])
     for name, data in splits:
@@ -294,7 +305,12 @@ def _check_hf_model(args, mesh: MeshSpec, config, data_vocab: int) -> None:
     built on ``meta``: a 1-D or HSDP mesh, an optimizer that needs no block list, the
     data's ids within its vocabulary, ``--seq-len`` within its positions, weights (if any)
     in safetensors files, and ``--block-rows`` against its shapes."""
-    from raggedfsdp.models.hf import build_hf_model, hf_directory, hf_weight_files
+    from raggedfsdp.models.hf import (
+        build_hf_model,
+        check_hf_weights,
+        hf_directory,
+        hf_weight_files,
+    )
     from raggedfsdp.train.policy import check_block_rows
 
     model, directory = args.model, hf_directory(args.model)
@@ -328,8 +344,10 @@ def _check_hf_model(args, mesh: MeshSpec, config, data_vocab: int) -> None:
             "(save_pretrained(safe_serialization=True)) or remove them to start from a "
             "random init"
         )
+    meta = build_hf_model(model, config=config)
+    check_hf_weights(meta, directory)  # every rank would fail alike: say it once, here
     if args.backend == "raggedfsdp":
-        check_block_rows(args, build_hf_model(model, config=config), mesh.shard)
+        check_block_rows(args, meta, mesh.shard)
 
 
 def check_args(args) -> tuple[int, str]:

@@ -29,7 +29,9 @@ import hashlib
 import itertools
 import json
 import os
+import stat
 import sysconfig
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,10 +66,12 @@ class DataConfig:
     """Where the text comes from, how much of it to use, and how it becomes ids.
 
     Args:
-        path: a text file, a JSON-lines file (``*.jsonl``: one JSON object a line, its
-            text in the ``"text"`` field), a token file (``python -m raggedfsdp tokenize``;
-            see [Note: token file format] in ``tokens.py``), or a folder of text and
-            JSON-lines files; None: the standard library's ``*.py`` sources. Default None.
+        path: a text file, a JSON-lines file (``*.jsonl`` or ``*.json``, any case: one
+            JSON object a line, its text in the ``"text"`` field), a token file (``python
+            -m raggedfsdp tokenize``; see [Note: token file format] in ``tokens.py``), a
+            pipe (read once, held in memory), or a folder of text and JSON-lines files
+            (hidden files skipped); None: the standard library's ``*.py`` sources.
+            Default None.
         max_bytes: read at most this many bytes of text (documents in order, the last one
             cut); None: all of it. A token file is mapped whole. Default 8 MiB.
         val_fraction: share of the documents held out for validation, in (0, 1).
@@ -162,8 +166,66 @@ def _list_files(root: Path, *, python_only: bool) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
+_PIPES: dict[str, bytes] = {}  # a pipe's bytes, read once: see is_pipe
+
+
+def is_pipe(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a pipe or another file that is not a regular file or a folder (a
+    FIFO, ``<(command)``'s ``/dev/fd/N``, a character device): its bytes can be read once.
+    Decided without opening it (opening a FIFO with no writer waits for one)."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return False
+    return not (stat.S_ISREG(mode) or stat.S_ISDIR(mode))
+
+
+def _read_pipe(path: Path) -> bytes:
+    """All of a pipe's bytes, read once (a second call returns the same bytes).
+
+    Raises:
+        ValueError: a FIFO no program writes (it would wait forever), or an unreadable one.
+    """
+    key = str(path)
+    if key in _PIPES:
+        return _PIPES[key]
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # never waits for a writer
+    except OSError as e:
+        raise ValueError(
+            f"data: cannot read {key!r} ({e.strerror or e}); pass a readable file"
+        ) from None
+    try:
+        first = b""
+        for _ in range(20):  # a writer that has opened the FIFO but not yet written
+            try:
+                first = os.read(fd, 1 << 16)
+                break
+            except BlockingIOError:
+                time.sleep(0.05)
+        else:
+            first = None
+        if first == b"" and stat.S_ISFIFO(os.fstat(fd).st_mode):
+            raise ValueError(
+                f"data: {key!r} is a pipe (FIFO) that no program is writing (or an empty one): "
+                "reading it would wait forever; start the program that writes it first, or "
+                "pass a file"
+            )
+        os.set_blocking(fd, True)
+        chunks = [first] if first else []
+        while chunk := os.read(fd, 1 << 20):
+            chunks.append(chunk)
+    finally:
+        os.close(fd)
+    _PIPES[key] = data = b"".join(chunks)
+    return data
+
+
 def _read(path: Path, limit: int | None) -> bytes:
     try:
+        if is_pipe(path):
+            data = _read_pipe(path)
+            return data if limit is None else data[:limit]
         with open(path, "rb") as f:
             return f.read(-1 if limit is None else limit)
     except OSError as e:
@@ -171,6 +233,17 @@ def _read(path: Path, limit: int | None) -> bytes:
             f"data: cannot read {str(path)!r} ({e.strerror or e}); pass a readable text file "
             f"or folder"
         ) from None
+
+
+def head(path: str | os.PathLike, size: int = 8192) -> bytes:
+    """The first ``size`` bytes of an input file (of a pipe: of what it gave, read once)."""
+    return _read(Path(path), size)
+
+
+def is_json(path: str | os.PathLike) -> bool:
+    """Whether a file's name says JSON (``*.json``, ``*.jsonl``, any case): it is parsed,
+    never read as text."""
+    return Path(path).suffix.lower() in (".json", ".jsonl")
 
 
 def is_val(key: str, val_fraction: float) -> bool:
@@ -199,8 +272,34 @@ def data_files(config: DataConfig) -> tuple[Path, list[Path]]:
     )
 
 
+_RECORD = 'one object a line, such as {"text": "..."}'
+
+
+def _text_of(record, where: str, path: Path) -> str:
+    text = record.get("text") if isinstance(record, dict) else None
+    if not isinstance(text, str):
+        raise ValueError(
+            f"data: {where} of '{path}' has no string \"text\" field; a JSON-lines file holds "
+            f"{_RECORD} (a *.json file: that, or one JSON list of such objects)"
+        )
+    return text
+
+
 def _records(path: Path, data: bytes, rel: str, file: int) -> Iterator[Document]:
-    """The records of a JSON-lines file: each line an object with a string ``"text"``."""
+    """The records of a JSON-lines file: each line an object with a string ``"text"``. A
+    ``*.json`` file may also be one JSON document: a list of such objects, or one."""
+    if path.suffix.lower() == ".json":
+        try:
+            whole = json.loads(data)
+        except ValueError:
+            whole = None  # JSON-lines under a .json name
+        if isinstance(whole, (list, dict)):
+            records = whole if isinstance(whole, list) else [whole]
+            for number, record in enumerate(records, start=1):
+                text = _text_of(record, f"record {number}", path)
+                size = len(data) // len(records)  # each record's share, for progress
+                yield Document(f"{rel}:{number}", text.encode("utf-8"), file, size)
+            return
     for number, line in enumerate(data.splitlines(keepends=True), start=1):
         if not line.strip():
             continue
@@ -209,21 +308,16 @@ def _records(path: Path, data: bytes, rel: str, file: int) -> Iterator[Document]
         except ValueError as e:
             raise ValueError(
                 f"data: line {number} of '{path}' is not JSON ({e}); a JSON-lines file holds "
-                'one object a line, such as {"text": "..."}'
+                f"{_RECORD}"
             ) from None
-        text = record.get("text") if isinstance(record, dict) else None
-        if not isinstance(text, str):
-            raise ValueError(
-                f"data: line {number} of '{path}' has no string \"text\" field; a JSON-lines "
-                'file holds one object a line, such as {"text": "..."}'
-            )
+        text = _text_of(record, f"line {number}", path)
         yield Document(f"{rel}:{number}", text.encode("utf-8"), file, len(line))
 
 
 def iter_documents(config: DataConfig) -> Iterator[Document]:
     """The documents of ``config``, in order, until ``max_bytes`` bytes of text.
 
-    A ``*.jsonl`` file gives one document per record, any other file one document; a
+    A JSON file (``is_json``) gives one document per record, any other file one document; a
     binary file (NUL bytes) inside a folder is skipped. Token files are not documents:
     ``load_corpus`` maps them.
 
@@ -236,7 +330,7 @@ def iter_documents(config: DataConfig) -> Iterator[Document]:
         if left is not None and left <= 0:
             break
         rel = p.relative_to(root).as_posix() if root.is_dir() else p.name
-        if p.suffix == ".jsonl":
+        if is_json(p):
             data = _read(p, None)
             if root.is_dir() and b"\0" in data[:8192]:
                 continue  # a binary file inside a user's folder

@@ -15,8 +15,12 @@
   every rank]): rank 0 prints one line. Any other error: each rank prints its own,
   with the traceback of an unexpected one.
 
-A rank then leaves with ``os._exit(1)``: a process group whose peer is gone cannot
-be destroyed cleanly. The launcher reports the failure in one line.
+A rank then leaves with ``os._exit``: a process group whose peer is gone cannot be
+destroyed cleanly. Its exit code is ``PEER_LOST_EXIT`` (3) when a collective failed for
+want of a peer (timed out, or its connection reset by a peer that died), else 1. The
+launcher reports the failure in one line, naming the rank that caused it: a rank killed
+by a signal first (it says nothing itself), then one that failed on its own (exit code
+1), and only then one that lost a peer; the earliest among equals.
 """
 
 from __future__ import annotations
@@ -33,19 +37,23 @@ import traceback
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["TrainError", "Where", "collective_failure", "die_with_launcher", "report"]
+__all__ = [
+    "PEER_LOST_EXIT",
+    "TrainError",
+    "Where",
+    "collective_failure",
+    "die_with_launcher",
+    "exit_code",
+    "report",
+]
 
 ARGS_ENV = "RAGGEDFSDP_TRAIN_ARGS"  # the checked arguments, JSON, from the launcher
 LAUNCHER_PID = "RAGGEDFSDP_LAUNCHER_PID"
 _PR_SET_PDEATHSIG = 1
-_COLLECTIVE_FAILED = (
-    "Timed out",
-    "timed out",
-    "timeout",
-    "Connection closed by peer",
-    "Connection reset by peer",
-    "pair closure",
-)
+PEER_LOST_EXIT = 3  # a rank's exit code when a collective failed: a peer stopped or died
+_TIMED_OUT = ("Timed out", "timed out", "timeout")
+_CONNECTION_LOST = ("Connection closed by peer", "Connection reset by peer", "pair closure")
+_COLLECTIVE_FAILED = _TIMED_OUT + _CONNECTION_LOST
 
 
 class TrainError(Exception):
@@ -131,14 +139,22 @@ class Where:
         return where
 
 
-def collective_failure(err: BaseException) -> bool:
+def collective_failure(err: BaseException, kinds: tuple[str, ...] = _COLLECTIVE_FAILED) -> bool:
+    """Whether ``err`` (or what caused it) is a collective that failed for want of a peer:
+    timed out, or (``kinds=_CONNECTION_LOST``) its connection to a peer lost."""
     seen = set()
     while err is not None and id(err) not in seen:
         seen.add(id(err))
-        if isinstance(err, RuntimeError) and any(s in str(err) for s in _COLLECTIVE_FAILED):
+        if isinstance(err, RuntimeError) and any(s in str(err) for s in kinds):
             return True
         err = err.__cause__ or err.__context__
     return False
+
+
+def exit_code(err: BaseException) -> int:
+    """A failed rank's exit code: ``PEER_LOST_EXIT`` when a collective failed for want of a
+    peer (the launcher then names the peer that ended first), else 1."""
+    return PEER_LOST_EXIT if collective_failure(err) else 1
 
 
 # ---- the message -------------------------------------------------------------------------
@@ -147,6 +163,14 @@ def report(err: BaseException, rank: int, where: Where, timeout_s: float) -> Non
     if isinstance(err, TrainError) and err.agreed:
         if rank == 0:
             print(f"train: {err}", file=sys.stderr)
+    elif collective_failure(err, _CONNECTION_LOST):
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        print(
+            f"train: rank {rank}: {where.describe()}: a collective on {_group_text(where.group)} "
+            f"lost its connection to a peer ({type(err).__name__}: {first}): a rank of that "
+            "group died; the launcher's last line names the first that ended, and how",
+            file=sys.stderr,
+        )
     elif collective_failure(err):
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         print(

@@ -51,6 +51,7 @@ from raggedfsdp.train.guard import (
     Where,
     collective_failure,
     die_with_launcher,
+    exit_code,
 )
 from raggedfsdp.train.guard import report as report_error
 from raggedfsdp.train.policy import block_policy
@@ -475,7 +476,7 @@ def main() -> int:
         return _train(args, where, device)
     except Exception as err:
         report_error(err, dist.get_rank(), where, args.timeout)
-        return 1
+        return exit_code(err)
 
 
 if __name__ == "__main__":

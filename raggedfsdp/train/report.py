@@ -80,7 +80,9 @@ def plot_losses(runs: dict[str, Path], png: Path, title: str) -> None:
     ax.legend()
     fig.tight_layout()
     png = Path(png)
-    part = png.with_name(png.name + ".part")  # whole or not at all: a full disk leaves no half PNG
+    from raggedfsdp.checkpoint.files import staging_path
+
+    part = staging_path(png)  # whole or not at all: a full disk leaves no half PNG
     try:
         fig.savefig(part, dpi=110, format="png")
         os.replace(part, png)

@@ -179,22 +179,24 @@ def model_size(args, mesh: MeshSpec) -> ModelSize:
 
 
 def _hf_size(model: str) -> ModelSize:
-    from raggedfsdp.models.hf import build_hf_model, hf_blocks
+    from raggedfsdp.models.hf import build_hf_model, hf_blocks, hf_ffn_width
 
     module = build_hf_model(model)  # on meta: shapes only
     config = module.config
     numel = sum(p.numel() for p in module.parameters())
     blocks = [sum(p.numel() for p in b.parameters()) for b in hf_blocks(module)]
+    # measured from the modules where the config's names differ by architecture
+    hidden = module.get_input_embeddings().weight.shape[-1]
     routed = getattr(config, "num_experts_per_tok", 0) or 0
     moe_ffn = getattr(config, "moe_intermediate_size", 0) or 0
     shared = getattr(config, "shared_expert_intermediate_size", 0) or 0
-    ffn = routed * moe_ffn + shared if routed and moe_ffn else config.intermediate_size
+    ffn = routed * moe_ffn + shared if routed and moe_ffn else hf_ffn_width(config, hidden)
     return ModelSize(
         numel=numel,
         root=numel - sum(blocks),
         largest_block=max(blocks),
-        per_token=len(blocks) * (4 * config.hidden_size + 3 * ffn),
-        vocab=config.vocab_size,
+        per_token=len(blocks) * (4 * hidden + 3 * ffn),
+        vocab=module.get_input_embeddings().weight.shape[0],
     )
 
 

@@ -2,8 +2,8 @@
 
 [Note: a run owns its folder]
 A run is one training trajectory: the arguments that decide its numbers (model,
-optimizer and its hyperparameters, batch, data and its bytes, seed, precision). Its
-folder holds::
+optimizer and its hyperparameters, batch, data, its tokenizer and its bytes, seed,
+precision). Its folder holds::
 
     out/
       run.json        the run id, its arguments, the sha256 of its data, one line per job
@@ -61,7 +61,7 @@ import time
 import uuid
 from pathlib import Path
 
-from raggedfsdp.checkpoint.files import DirectoryLock, fsync_dir, replace_file
+from raggedfsdp.checkpoint.files import DirectoryLock, fsync_dir, replace_file, staging_path
 
 __all__ = [
     "CKPT",
@@ -101,6 +101,7 @@ TRAJECTORY = (
     "seq_len",
     "seed",
     "data",
+    "tokenizer",
     "max_bytes",
 )
 
@@ -448,7 +449,7 @@ def write_atomic(path: Path, text: str | bytes) -> None:
         replace_file(path, data)
     except OSError as err:
         with contextlib.suppress(OSError):
-            path.with_name(path.name + ".part").unlink()
+            staging_path(path).unlink()
         left = "the previous one is kept" if path.exists() else "no partial file is left"
         why = err.strerror or str(err)
         raise OSError(err.errno, f"{path.name} was not written ({why}): {left}", str(path)) from err

@@ -44,7 +44,7 @@ class _Full:
 def open(file, mode="r", *args, **kwargs):
     f = _open(file, mode, *args, **kwargs)
     path = os.path.realpath(os.fspath(file)) if not isinstance(file, int) else ""
-    if path.startswith(_OUT) and os.path.basename(path).startswith("summary.json") and (
+    if path.startswith(_OUT) and "summary.json" in os.path.basename(path) and (
         set(mode) & set("wxa")
     ):
         return _Full(f)

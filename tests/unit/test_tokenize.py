@@ -151,7 +151,7 @@ def test_a_token_file_of_another_dtype_is_refused(tmp_path):
         read_token_file(path)
     path.write_bytes(good)
     _patch(path, 8, struct.pack("<I", 9))
-    with pytest.raises(ValueError, match=r"is of version 9; this raggedfsdp reads version 1"):
+    with pytest.raises(ValueError, match=r"is of version 9; this raggedfsdp reads version 2"):
         read_token_file(path)
 
 

@@ -453,3 +453,58 @@ def test_the_space_check_counts_this_machines_share_of_a_checkpoint(tmp_path, mo
     resources.check_storage(_args("--out", str(tmp_path)), mesh)
     free["bytes"] = 5 << 20
     resources.check_storage(one, mesh)
+
+
+# ---- which rank the launcher names -------------------------------------------------------------
+def _failures(codes: dict[int, int], stamp: float = 1000.0) -> dict:
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    found = {}
+    for rank, code in codes.items():
+        found[rank] = ProcessFailure(local_rank=rank, pid=4000 + rank, exitcode=code, error_file="")
+        found[rank].timestamp = int(stamp)  # torchrun's clock: whole seconds
+    return found
+
+
+@pytest.mark.parametrize(
+    "codes, match",
+    [
+        # kill -9 of rank 1: rank 0 fails at once on the reset connection, in the same second
+        ({0: 1, 1: -9}, r"rank 1 was killed by signal 9 \(SIGKILL\).* \(1 other rank failed"),
+        ({0: 3, 1: -9}, r"rank 1 was killed by signal 9 \(SIGKILL\)"),
+        ({0: 3, 1: 1, 2: 3}, r"rank 1 exited with code 1 \(its message is above\) \(2 other"),
+        ({0: 3}, r"rank 0 lost a peer in a collective \(a rank stopped or died without a word"),
+    ],
+)
+def test_the_launcher_names_the_rank_that_failed_first_and_how(codes, match, tmp_path, capsys,
+                                                              monkeypatch):  # fmt: skip
+    import torch.distributed.run as torchrun
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    def run(config):
+        raise ChildFailedError("raggedfsdp.train.loop", _failures(codes))
+
+    monkeypatch.setattr(torchrun, "run", run)
+    for name in ("RAGGEDFSDP_TRAIN_ARGS", "RAGGEDFSDP_LAUNCHER_PID", "OMP_NUM_THREADS"):
+        monkeypatch.setenv(name, "1")
+    assert torchrun_launch(_args("--out", str(tmp_path / "out"))) == 1
+    err = capsys.readouterr().err
+    assert re.search(r"train: failed: " + match, err), err
+
+
+def test_a_rank_that_lost_its_peer_says_so_not_a_timeout(capsys):
+    from raggedfsdp.train.guard import PEER_LOST_EXIT, Where, exit_code, report
+
+    where = Where()
+    where.at("forward", 3)
+    lost = RuntimeError("[../gloo/transport/tcp/pair.cc:534] Connection reset by peer")
+    report(lost, 0, where, 300.0)
+    err = capsys.readouterr().err
+    assert re.search(r"train: rank 0: step 3, forward: a collective on the process group lost "
+                     r"its connection to a peer \(RuntimeError: .*Connection reset by peer\): a "
+                     r"rank of that group died; the launcher's last line names the first that "
+                     r"ended, and how", err), err  # fmt: skip
+    assert "--timeout" not in err
+    assert exit_code(lost) == PEER_LOST_EXIT and exit_code(ValueError("x")) == 1
+    report(RuntimeError("Timed out waiting 5000ms for recv"), 1, where, 5.0)
+    assert "got no answer within --timeout 5 s" in capsys.readouterr().err
