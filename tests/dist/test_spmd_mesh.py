@@ -18,6 +18,9 @@ dp 2)`` and ``(dp 2, tp 2)``.
 - A checkpoint saved in SPMD mode on ``(dp 2, tp 2)`` loads into the classic mode on the
   same ranks, into classic 1-D FSDP over 4 ranks, and (another spawn) into SPMD mode on 2
   ranks: every parameter and AdamW moment equal to what was saved.
+- A stack of experts on a ``(dp 2, ep 2, tp 2)`` mesh (8 ranks), placed ``Shard(0)`` on ep
+  and ``Shard(1)`` on tp: SGD steps bit for bit with FSDP2 (two model dims, which the
+  classic mode refuses).
 - Bad input: FSDP2's exception types (a plain parameter, a non-``Replicate`` data-parallel
   placement, an unknown dim name, an int ``reshard_after_forward``), and raggedfsdp's
   named refusal of FSDP2's DDP-only mode.
@@ -308,3 +311,39 @@ def test_spmd_mesh():
     with tempfile.TemporaryDirectory() as root:
         spawn(WORLD, _grid, root)
         spawn(2, _load_on_2_ranks, root)
+
+
+class _Experts(nn.Module):
+    def __init__(self, w: DTensor):
+        super().__init__()
+        self.w = nn.Parameter(w)
+
+    def forward(self, x):
+        return (self.w * x).sum()
+
+
+def _ep_x_tp(rank: int, world: int) -> None:
+    mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("dp", "ep", "tp"))
+    dims = torch_fsdp.DataParallelMeshDims(shard="dp")
+    placements = [Replicate(), Shard(0), Shard(1)]
+    runs = []
+    for fully_shard in (torch_fsdp.fully_shard, raggedfsdp.fully_shard):
+        torch.manual_seed(0)
+        model = _Experts(distribute_tensor(torch.randn(4, 8, 6), mesh, placements))
+        fully_shard(model, mesh=mesh, dp_mesh_dims=dims)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        losses = []
+        for step in range(2):
+            x = distribute_tensor(torch.randn(4, 8, 6) * (step + 1), mesh, placements)
+            loss = model(x).full_tensor()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.detach())
+        runs.append((losses, [model.w.full_tensor()]))
+    _equal(runs[1][0], runs[0][0], "losses")
+    _equal(runs[1][1], runs[0][1], "parameters")
+
+
+def test_spmd_mesh_ep_x_tp():
+    spawn(8, _ep_x_tp)
