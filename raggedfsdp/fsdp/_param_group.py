@@ -405,6 +405,13 @@ class ParamGroup(GradientPath):
             f"placements {placements} on {mesh} or a tensor of shape {tuple(ref.shape)}: {fix}"
         )
 
+    def on_meta(self) -> list[ParamRef]:
+        """The parameters still on the meta device (all of them on a meta buffer, else the
+        ones a partial load left there)."""
+        if self.device.type == "meta":
+            return list(self.refs)
+        return [r for r in self.refs if r.fqn in self.unloaded]
+
     # ---- unshard / reshard ----------------------------------------------------------------
     @phase("all_gather")
     def unshard(self, async_op: bool = False) -> None:
@@ -413,13 +420,13 @@ class ParamGroup(GradientPath):
             return  # a no-op by contract: see [Note: group states]
         if self._grads_hold_params:  # a reduce-scatter still reads the storage
             self.wait_reduce()
-        if self.device.type == "meta" or self.unloaded:
+        if self.device.type == "meta" or self.unloaded:  # the root checked at its first forward
             names = list(self.unloaded.values()) or [r.fqn for r in self.refs]
             raise RuntimeError(
-                f"fully_shard: parameters {names[:3]}{'...' if len(names) > 3 else ''} of "
-                f"{self.name} are still on the meta device; call module.to_empty(device=...) "
-                "and initialise them, or load them (load_state_dict(..., assign=True), "
-                "set_model_state_dict), before forward"
+                "FSDP parameters should be materialized from meta device before training, "
+                f"but the following were still on meta device: {names} (of {self.name})\n"
+                "call module.to_empty(device=...) and initialise them, or load them "
+                "(load_state_dict(..., assign=True), set_model_state_dict), before forward"
             )
         # [Note: version counter] autograd saved the unsharded parameters in forward;
         # refilling their storage for backward is the point, so the all-gather must not

@@ -259,6 +259,62 @@ class FSDPState:
                         "the first forward"
                     )
                 s.is_root, s.root = False, self
+        try:
+            self._validate_params()
+        except Exception:  # nothing ran: the next forward initialises (and checks) again
+            for s in self._states:
+                s.is_root, s.root = None, None
+            raise
+
+    def _validate_params(self) -> None:
+        """FSDP2's checks at the root's first forward, with its exception types and its
+        words (then ours): a parameter that two groups shard, a parameter still on meta.
+
+        Raises:
+            ValueError: two groups shard one parameter (FSDP2 accepts both calls).
+            RuntimeError: a group's parameters are still on the meta device.
+        """
+        order: dict[int, tuple[int, str]] = {}  # id(param) -> (position, fqn from the root)
+        for top in self.modules:
+            for name, p in top.named_parameters(remove_duplicate=False):
+                order.setdefault(id(p), (len(order), name))
+
+        def fqn(ref) -> str:
+            return order.get(id(ref.sharded), (0, ref.fqn))[1]
+
+        seen: set[int] = set()
+        for s in self._states:
+            for ref in s.group.refs if s.group is not None else ():
+                if ref.origin in seen:
+                    raise ValueError(
+                        f"Parameter '{fqn(ref)}' is shared with a parameter already managed by "
+                        "another FSDP group. For shared/tied parameters, use "
+                        "fully_shard([module_a, module_b]) to place them in the same FSDP group. "
+                        "(raggedfsdp: two groups would hold two copies that drift apart; "
+                        "fully_shard the modules' common parent, or the list of them)"
+                    )
+                seen.add(ref.origin)
+        for s in self._states:  # the other copy is under another root: FSDP2 trains both
+            for ref in s.group.refs if s.group is not None else ():
+                if ref.resharded:
+                    raise ValueError(
+                        f"fully_shard: parameter '{fqn(ref)}' is also sharded by a fully_shard "
+                        "call outside this model, which holds a copy of its own; the two would "
+                        "drift apart: fully_shard the modules' common parent, or the list of them"
+                    )
+        for s in self._states:
+            on_meta = s.group.on_meta() if s.group is not None else []
+            if on_meta:
+                names = [
+                    fqn(r) for r in sorted(on_meta, key=lambda r: order.get(id(r.sharded), (0,))[0])
+                ]
+                raise RuntimeError(
+                    "FSDP parameters should be materialized from meta device before training, "
+                    f"but the following were still on meta device: {names}\n"
+                    "For example, call module.to_empty(device) to materialize to device and "
+                    "call module.reset_parameters() on each module to initialize values "
+                    "(or load them: load_state_dict(..., assign=True), set_model_state_dict)."
+                )
 
     def _enter(self, event: str) -> None:
         """Move ``training_state`` by ``event``; see [Note: training states]."""

@@ -687,10 +687,49 @@ def _reduced_placement(placements, norm_type=None):
     return out
 
 
+# [Note: norms over several meshes]
+# ``torch.nn.utils.clip_grad_norm_`` takes ``_foreach_norm`` of every gradient, then
+# ``torch.stack`` of the norms. Under FSDP x TP the gradients live on two meshes, the
+# ``(tp, dp)`` mesh of TP parameters and the ``dp`` mesh of the others, and stack needs one.
+# Each norm is the Partial reduction of its own input's placements, lifted onto the
+# input mesh with the most dims when every other input mesh is made of its dims (each
+# dim's ranks are one of its dims' ranks, as the composed mesh reuses the dp groups):
+# on a dim the input's mesh lacks, the norm is ``Replicate()`` (every rank of that dim
+# holds the same partial value). A dp-mesh norm ``(Partial,)`` becomes ``(Replicate(),
+# Partial)`` on ``(tp, dp)``, and a ``(tp, dp)`` norm keeps its tp part. Meshes that do
+# not nest keep their own mesh (``torch.stack`` then refuses them as it does FSDP2's).
+def _dim_ranks(mesh) -> list[tuple[int, ...]]:
+    return [tuple(dist.get_process_group_ranks(mesh.get_group(d))) for d in range(mesh.ndim)]
+
+
+def _lift(spec_mesh, placements, to_mesh) -> tuple | None:
+    """``placements`` on ``spec_mesh`` as placements on ``to_mesh`` (Replicate on the dims
+    ``spec_mesh`` lacks), or None where ``spec_mesh``'s dims are not ``to_mesh``'s."""
+    if spec_mesh == to_mesh:
+        return tuple(placements)
+    target = _dim_ranks(to_mesh)
+    out: list = [Replicate()] * to_mesh.ndim
+    for ranks, p in zip(_dim_ranks(spec_mesh), placements):
+        if ranks not in target:
+            return None
+        out[target.index(ranks)] = p
+    return tuple(out)
+
+
 def _foreach_norm_rule(op_schema, out_meta, spec):
+    """Each norm the Partial reduction of its own input, on a mesh every norm shares
+    where the input meshes nest (see [Note: norms over several meshes])."""
+    del spec  # each output names its mesh
     srcs = op_schema.args_schema[0]
     ord_ = op_schema.args_schema[1] if len(op_schema.args_schema) > 1 else 2
-    return [spec(_reduced_placement(s.placements, ord_), m) for s, m in zip(srcs, out_meta)]
+    reduced = [(s.mesh, _reduced_placement(s.placements, ord_)) for s in srcs]
+    widest = max((mesh for mesh, _ in reduced), key=lambda m: m.ndim)
+    lifted = [_lift(mesh, placements, widest) for mesh, placements in reduced]
+    if any(p is None for p in lifted):
+        return [
+            DTensorSpec(mesh, tuple(p), tensor_meta=m) for (mesh, p), m in zip(reduced, out_meta)
+        ]
+    return [DTensorSpec(widest, p, tensor_meta=m) for p, m in zip(lifted, out_meta)]
 
 
 def _sum_rule(op_schema, out_meta, spec):
