@@ -180,7 +180,7 @@ class ParamGroup(GradientPath):
         self.dbuf = self._new_dbuf(shard_device)
         for ref, p in zip(refs, originals):
             ref.placement = RaggedShard.from_layout(self.layout, ref.fqn)
-            if self.device.type != "meta":
+            if self.device.type != "meta" and not self._holds(ref):
                 full = values_of(p).contiguous()  # a subclass's inner tensor
                 self.dbuf.shard_view(ref.fqn).copy_(ref.placement.local_view(full, self.rank))
             self._make_sharded(ref)
@@ -252,7 +252,13 @@ class ParamGroup(GradientPath):
             ref.sharded = nn.Parameter(dt, requires_grad=ref.requires_grad)
         else:  # re-point an existing parameter (after to_empty / _apply), keeping its identity
             cast(DTensor, ref.sharded)._local_tensor = dt._local_tensor
-        setattr(ref.sharded, OWNER_ATTR, (self, self.refs.index(ref)))
+        if not self._holds(ref):  # a parameter of its own rows is in no buffer (buffer_of)
+            setattr(ref.sharded, OWNER_ATTR, (self, self.refs.index(ref)))
+
+    def _holds(self, ref: ParamRef) -> bool:
+        """A subclass parameter holding rows of its own, not a view of the shard storage
+        (see [Note: tensor-subclass all-gather])."""
+        return self.subclass is not None and self.subclass.holds(ref)
 
     def reset_after_apply(self) -> None:
         """Rebuild the storages after ``Module._apply`` (``to_empty``, ``to``, ``float``).
@@ -268,11 +274,15 @@ class ParamGroup(GradientPath):
         # A storage's identity is its StorageImpl's address (``_cdata``), which fake tensors
         # have too (their data_ptr is deprecated).
         storage = self.dbuf.shard.untyped_storage()._cdata
-        views = all(  # to_empty on the same device gives new tensors too
-            values_of(p._local_tensor if isinstance(p, DTensor) else p).untyped_storage()._cdata
-            == storage
-            for p in current.values()
-        )
+
+        def unchanged(ref: ParamRef) -> bool:  # to_empty on the same device gives new tensors
+            p = current[ref.fqn]
+            local = p._local_tensor if isinstance(p, DTensor) else p
+            if self.subclass is not None and self.subclass.holds(ref):
+                return local is self.subclass.wrap(ref, local)  # its held rows
+            return values_of(local).untyped_storage()._cdata == storage
+
+        views = all(unchanged(ref) for ref in self.refs)
         if views and (shard_device, local0.dtype) == (self.dbuf.shard.device, self.dtype):
             return
         self.unloaded = {}  # every parameter now holds what _apply gave it
@@ -284,9 +294,13 @@ class ParamGroup(GradientPath):
         self.dbuf = self._new_dbuf(shard_device)
         for ref in self.refs:
             new = current[ref.fqn]
-            self.dbuf.shard_view(ref.fqn).copy_(
-                values_of(new._local_tensor if isinstance(new, DTensor) else new)
-            )
+            if self._holds(ref):  # its new rows are the parameter's own
+                assert self.subclass is not None
+                self.subclass.adopt(ref, new._local_tensor if isinstance(new, DTensor) else new)
+            else:
+                self.dbuf.shard_view(ref.fqn).copy_(
+                    values_of(new._local_tensor if isinstance(new, DTensor) else new)
+                )
             if ref.sharded is not new:
                 ref.sharded = None  # _apply made a new Parameter: adopt a fresh one
             self._make_sharded(ref)

@@ -302,6 +302,18 @@ class FSDPState:
                         "call outside this model, which holds a copy of its own; the two would "
                         "drift apart: fully_shard the modules' common parent, or the list of them"
                     )
+        for s in self._states:  # FSDP2 reads hooks set on a local shard after fully_shard
+            for g in s.group.groups if s.group is not None else ():
+                for ref in g.refs if g.subclass is None else ():
+                    local = getattr(ref.sharded, "_local_tensor", None)
+                    if "fsdp_pre_all_gather" in getattr(local, "__dict__", {}):
+                        raise NotImplementedError(
+                            f"fully_shard: parameter '{fqn(ref)}' got FSDP2's all-gather hooks "
+                            "on its local tensor after fully_shard; raggedfsdp gathers a plain "
+                            "parameter as a view of its buffer and reads the hooks of tensor "
+                            "subclasses only: make the parameter a tensor subclass before "
+                            "fully_shard (the hooks may then be set on its local tensor)"
+                        )
         for s in self._states:
             on_meta = s.group.on_meta() if s.group is not None else []
             if on_meta:
