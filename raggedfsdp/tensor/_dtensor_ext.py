@@ -697,7 +697,10 @@ def _reduced_placement(placements, norm_type=None):
 # on a dim the input's mesh lacks, the norm is ``Replicate()`` (every rank of that dim
 # holds the same partial value). A dp-mesh norm ``(Partial,)`` becomes ``(Replicate(),
 # Partial)`` on ``(tp, dp)``, and a ``(tp, dp)`` norm keeps its tp part. Meshes that do
-# not nest keep their own mesh (``torch.stack`` then refuses them as it does FSDP2's).
+# not nest keep their own mesh (``torch.stack`` then refuses them as it does FSDP2's), and
+# so do norms taken apart (``foreach=False``: one ``linalg.vector_norm`` per tensor), which
+# meet first in ``torch.stack``: lifting them there would change torch's stack of every
+# DTensor, not only RaggedShard's (see [Note: DTensor patches]).
 def _dim_ranks(mesh) -> list[tuple[int, ...]]:
     return [tuple(dist.get_process_group_ranks(mesh.get_group(d))) for d in range(mesh.ndim)]
 
