@@ -24,7 +24,9 @@ without the hooks is gathered as its values, as FSDP2's default path gathers it:
     it on its own (its ``.grad`` is still a view of the buffer's gradient storage).
 - ``unshard`` calls ``fsdp_pre_all_gather(shard_mesh, outer_size, outer_stride, module,
   mp_policy)`` (or FSDP2's older ``fsdp_pre_all_gather(mesh)``) on each local shard:
-  rows ``r0:r1`` of the parameter, possibly none, a different count on each rank. The
+  rows ``r0:r1`` of the parameter, possibly none, a different count on each rank (an
+  input padded to FSDP2's even chunk, ``ceil(rows / world)`` rows, as FSDP2 asks of
+  hooks where its chunks are uneven, is cut to the rank's rows first). The
   hooks are read at each gather, as FSDP2 reads them, so hooks set on a local tensor
   after ``fully_shard`` count. Without hooks the input is the local tensor copied into a
   plain tensor by the subclass's own ``copy_`` (FSDP2's copy-in), cast to
@@ -297,7 +299,7 @@ class SubclassGather:
                 ranges = (e.ref.placement.local_row_range(e.ref.shape, r) for r in range(g.world))
                 e.rows = tuple(b - a for a, b in ranges)
             ins, e.metadata = self._pre_all_gather(e)
-            ins = tuple(_plain_copy(x) for x in ins)
+            ins = tuple(self._unpadded(e, _plain_copy(x)) for x in ins)
             e.pieces = [self._piece(e, x) for x in ins]
             inputs.append(ins)
         # Every rank's send buffer, from the layout alone: piece after piece, each aligned.
@@ -343,6 +345,17 @@ class SubclassGather:
                 "shard needs rows on every rank: fully_shard its module apart, or (torchao "
                 "float8) call precompute_float8_dynamic_scale_for_fsdp after each step"
             ) from err
+
+    def _unpadded(self, e: _Entry, x):
+        """This rank's rows of an input padded as FSDP2 asks where its chunks are uneven:
+        ``ceil(rows / world)`` rows on every rank, its own first (torch's padded-chunk
+        rule). Every rank decides alike: from the input's shape and the layout."""
+        g = self.group
+        chunk, mine = -(-sum(e.rows) // g.world), e.rows[g.rank]
+        padded = isinstance(x, torch.Tensor) and x.dim() >= 1 and x.shape[0] == chunk
+        if padded and mine != chunk and len(set(e.rows)) > 1 and max(e.rows) <= chunk:
+            return x[:mine]
+        return x
 
     def _piece(self, e: _Entry, x) -> _Piece:
         g = self.group

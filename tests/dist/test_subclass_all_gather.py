@@ -164,20 +164,20 @@ class _Gathered(torch.Tensor):
 
 
 class _Block(nn.Module):
-    def __init__(self):
+    def __init__(self, hidden: int = 16):
         super().__init__()
-        self.l1 = nn.Linear(8, 16)
-        self.l2 = nn.Linear(16, 16)
+        self.l1 = nn.Linear(8, hidden)
+        self.l2 = nn.Linear(hidden, 16)
 
     def forward(self, x):
         return torch.tanh(self.l2(torch.tanh(self.l1(x))))
 
 
 class _Model(nn.Module):
-    def __init__(self, kind=_Bf16Weight):
+    def __init__(self, kind=_Bf16Weight, hidden: int = 16):
         super().__init__()
         torch.manual_seed(0)
-        self.block = _Block()
+        self.block = _Block(hidden)
         self.head = nn.Linear(16, 4)
         for lin in (self.block.l1, self.block.l2):  # weights wrapped, biases plain
             lin.weight = nn.Parameter(kind(lin.weight.detach().clone()))
@@ -313,6 +313,26 @@ class _UnflattenOf3(_Bf16Weight):
         raise AssertionError("FSDP2 never calls __tensor_unflatten__")
 
 
+class _PaddedInputs(_Bf16Weight):
+    """Pads its all-gather input to FSDP2's even chunk (``ceil(rows / world)`` rows, NaN
+    beyond its own) where FSDP2's chunks are uneven, as torch's BFloat16AllGatherTensor
+    test class does: the padding must never be read."""
+
+    def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
+        CALLS["pre"] += 1
+        if outer_size[0] % mesh.size() == 0:
+            return (self._data.to(torch.bfloat16),), None
+        chunk = -(-outer_size[0] // mesh.size())
+        padded = torch.full((chunk, *outer_size[1:]), float("nan"), dtype=torch.bfloat16)
+        padded[: self._data.size(0)].copy_(self._data)
+        return (padded,), None
+
+    def fsdp_post_all_gather(self, outputs, metadata, param_dtype, *, out=None):
+        CALLS["post"] += 1
+        (data,) = outputs
+        return None if out is not None else (_Gathered(data, param_dtype), (data,))
+
+
 def _hooks_on_the_local_shards(model) -> None:
     """FSDP2's monkey patch: hooks set on each sharded weight's local tensor (an instance,
     after fully_shard) that gather it in bf16 and read it back in ``param_dtype``."""
@@ -378,12 +398,12 @@ def _train_kind(model, rank, setup) -> dict:
     return {"losses": torch.stack(losses), "params": params, "calls": dict(CALLS), "kinds": kinds}
 
 
-def _compare_kind(rank, world, kind, setup=lambda m: None):
+def _compare_kind(rank, world, kind, setup=lambda m: None, hidden=16):
     """The same training as FSDP2's, bit for bit, the same hook calls, and the sharded
     weights keep their class."""
     mesh = init_device_mesh("cpu", (world,))
-    want = _train_kind(_shard(torch_fsdp.fully_shard, _Model(kind), mesh), rank, setup)
-    got = _train_kind(_shard(raggedfsdp.fully_shard, _Model(kind), mesh), rank, setup)
+    want = _train_kind(_shard(torch_fsdp.fully_shard, _Model(kind, hidden), mesh), rank, setup)
+    got = _train_kind(_shard(raggedfsdp.fully_shard, _Model(kind, hidden), mesh), rank, setup)
     assert got["kinds"] == want["kinds"], (got["kinds"], want["kinds"])
     assert torch.equal(got["losses"], want["losses"]), (got["losses"], want["losses"])
     assert got["params"].keys() == want["params"].keys()
@@ -401,6 +421,10 @@ KINDS = {
         "setup": _hooks_on_the_local_shards,
     },
     "a 3-argument __tensor_unflatten__": {"kind": _UnflattenOf3},
+    "inputs padded to FSDP2's even chunk (15 rows on 2 ranks)": {
+        "kind": _PaddedInputs,
+        "hidden": 15,
+    },
 }
 
 
