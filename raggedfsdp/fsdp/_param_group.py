@@ -279,7 +279,7 @@ class ParamGroup(GradientPath):
             p = current[ref.fqn]
             local = p._local_tensor if isinstance(p, DTensor) else p
             if self.subclass is not None and self.subclass.holds(ref):
-                return local is self.subclass.wrap(ref, local)  # its held rows
+                return local is self.subclass.held_rows(ref)
             return values_of(local).untyped_storage()._cdata == storage
 
         views = all(unchanged(ref) for ref in self.refs)

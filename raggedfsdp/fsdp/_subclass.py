@@ -280,6 +280,10 @@ class SubclassGather:
             e.held, e.original = e.original.detach()[r0:r1].clone(), None
         return e.held
 
+    def held_rows(self, ref: ParamRef) -> torch.Tensor | None:
+        """The rows ``ref``'s sharded parameter holds (``holds``), else None."""
+        return self.entries[ref.fqn].held
+
     def adopt(self, ref: ParamRef, local: torch.Tensor) -> None:
         """``local`` is ``ref``'s held rows now (``Module._apply`` made new ones)."""
         self.entries[ref.fqn].held = local
