@@ -285,6 +285,8 @@ class FSDPState:
         seen: set[int] = set()
         for s in self._states:
             for ref in s.group.refs if s.group is not None else ():
+                if ref.origin < 0:  # not from fully_shard's own collection: no uid
+                    continue
                 if ref.origin in seen:
                     raise ValueError(
                         f"Parameter '{fqn(ref)}' is shared with a parameter already managed by "
