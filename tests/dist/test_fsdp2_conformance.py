@@ -5,7 +5,8 @@ with the same inputs and the same assertion for both:
   ranks): the parameters live on two meshes, the ``(tp, dp)`` mesh and the ``dp`` mesh.
   FSDP2 refuses the call (DTensor's cross-mesh error); raggedfsdp returns the true norm,
   the same on every rank, in either parameter order, equal to one process's and to
-  ``raggedfsdp.clip_grad_norm_``'s, and clips by it.
+  ``raggedfsdp.clip_grad_norm_``'s, and clips by it. Likewise over FSDP x EP (the
+  experts on ``(ep, dp_mod_ep)``, the rest on the flattened ``dp`` of both).
 - Errors both refuse: FSDP2's exception type, at FSDP2's moment (``fully_shard`` or the
   first forward), matched by the pattern torch's own tests use for FSDP2 (our message
   may add the fix after it); and ``set_all_reduce_hook(stream=)`` on the CPU, where FSDP2
@@ -35,6 +36,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 import raggedfsdp
+from raggedfsdp.models.transformer import lm_loss
 from tests.harness import run_cases, spawn
 from tests.numerics import U, assert_close_to_reference
 
@@ -81,22 +83,47 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 def _check_clip(rank, world):
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     theirs = _sharded_clip_model(torch_fsdp.fully_shard, mesh)
-    with pytest.raises(RuntimeError, match="must have the same mesh"):  # FSDP2: two meshes
-        torch.nn.utils.clip_grad_norm_(theirs.parameters(), MAX_NORM)
+    for foreach in (None, False):  # FSDP2: the norms' two meshes
+        with pytest.raises(RuntimeError, match="must have the same mesh"):
+            torch.nn.utils.clip_grad_norm_(theirs.parameters(), MAX_NORM, foreach=foreach)
     model = _sharded_clip_model(raggedfsdp.fully_shard, mesh)
+    for got, want in zip(model.parameters(), theirs.parameters()):
+        assert torch.equal(_full(got.grad), _full(want.grad))  # FSDP2's gradients, bit for bit
+    one_process = (_reference_norm(torch.float32), _reference_norm(torch.float64))
+    _check_torch_clip(model, world, {("dp",), ("tp", "dp")}, one_process)
+    # foreach=False takes one norm per tensor, each on its own mesh: torch.stack refuses
+    # them, for both, before any gradient changes
+    with pytest.raises(RuntimeError, match="must have the same mesh"):
+        torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM, foreach=False)
+
+
+def _check_clip_ep(rank, world):
+    """FSDP x EP as torchtitan lays it out: the experts on ``(ep, dp_mod_ep)``, the rest
+    on the flattened ``dp`` of all 4 ranks, which spans both of those dims."""
+    from tests.dist.test_ep import _data, _model
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_mod_ep", "ep"))
+    model = _model(mesh, raggedfsdp.fully_shard)
+    rows = _data()[0][rank : rank + 1]
+    lm_loss(model(rows[:, :-1]), rows[:, 1:]).backward()
+    _check_torch_clip(model, world, {("dp",), ("ep", "dp_mod_ep")})
+
+
+def _check_torch_clip(model, world, meshes, one_process=None):
+    """torch's ``clip_grad_norm_`` over ``model``'s parameters, which live on ``meshes``
+    (their dim names): in model order and reversed, the total is the same on every
+    rank, within its summation's rounding of the float64 norm of the gathered gradients
+    (and of ``one_process``'s fp32 and float64 norms, rule 4 of the derived tolerances),
+    as ``raggedfsdp.clip_grad_norm_``'s; every gradient is scaled by torch's factor."""
     params = list(model.parameters())
-    meshes = {p.device_mesh.mesh_dim_names for p in params}
-    assert meshes == {("dp",), ("tp", "dp")}, meshes
+    assert {p.device_mesh.mesh_dim_names for p in params} == meshes
     grads = [_full(p.grad) for p in params]  # gathered before any clipping
-    for got, want in zip(grads, (_full(p.grad) for p in theirs.parameters())):
-        assert torch.equal(got, want)  # the same gradients as FSDP2's, bit for bit
     locals_ = [p.grad.to_local().clone() for p in params]
     # The true norm of these gradients: float64 of the gathered values; an fp32 norm of
     # n terms lies within its reduction depth of roundings of it.
     exact = torch.stack([g.double().norm() for g in grads]).norm()
     terms = sum(g.numel() for g in grads)
     floor = 2 * (math.ceil(math.log2(terms)) + world) * U * exact.item()
-    ref, ref64 = _reference_norm(torch.float32), _reference_norm(torch.float64)
     totals = {}
     clips = {
         "torch, model order": lambda: torch.nn.utils.clip_grad_norm_(params, MAX_NORM),
@@ -112,17 +139,13 @@ def _check_clip(rank, world):
         dist.all_gather_object(every, total.item())
         assert len(set(every)) == 1, f"{name}: totals differ between ranks: {every}"
         assert abs(total.item() - exact.item()) <= floor, (name, total.item(), exact.item())
-        assert_close_to_reference(total, ref, ref64, what=f"{name}: ", terms=terms)
+        if one_process is not None:
+            assert_close_to_reference(total, *one_process, what=f"{name}: ", terms=terms)
         coef = torch.clamp(MAX_NORM / (total + 1e-6), max=1.0)  # torch's clip, as it computes
         for p, g in zip(params, grads):
             assert torch.equal(_full(p.grad), g * coef), f"{name}: a gradient clipped otherwise"
         totals[name] = total.item()
     assert max(totals.values()) - min(totals.values()) <= 2 * floor, totals
-    # foreach=False takes one norm per tensor, each on its own mesh: torch.stack refuses
-    # them, for both, before any gradient changes
-    for m in (theirs, model):
-        with pytest.raises(RuntimeError, match="must have the same mesh"):
-            torch.nn.utils.clip_grad_norm_(m.parameters(), MAX_NORM, foreach=False)
 
 
 # ---- errors both refuse ----------------------------------------------------------------------
@@ -238,7 +261,7 @@ def _error_cases(world):
 
 def _check_error(shard, x, moment, error, pattern):
     """The same assertion for both: ``error`` matching ``pattern``, at ``moment``."""
-    for name, fully_shard in BOTH.items():
+    for fully_shard in BOTH.values():
         if moment == "fully_shard":
             with pytest.raises(error, match=pattern):
                 shard(fully_shard)
@@ -255,7 +278,7 @@ def _check_hook_stream(rank, world):
         model = fully_shard(_mlp())
         stream, seen = torch.cpu.Stream(), []
         model.set_all_reduce_hook(
-            lambda out: seen.append(torch.cpu.current_stream()), stream=stream
+            lambda out, seen=seen: seen.append(torch.cpu.current_stream()), stream=stream
         )
         model(torch.randn(2, 8)).sum().backward()
         assert seen and all(s is stream for s in seen), (name, seen, stream)
@@ -263,7 +286,10 @@ def _check_hook_stream(rank, world):
 
 
 def _grid(rank, world):
-    cases = {"clip_grad_norm_ over FSDP x TP": partial(_check_clip, rank, world)}
+    cases = {
+        "clip_grad_norm_ over FSDP x TP": partial(_check_clip, rank, world),
+        "clip_grad_norm_ over FSDP x EP": partial(_check_clip_ep, rank, world),
+    }
     for what, shard, x, moment, error, pattern in _error_cases(world):
         cases[f"error: {what}"] = partial(_check_error, shard, x, moment, error, pattern)
     cases["set_all_reduce_hook(stream=) on the CPU"] = partial(_check_hook_stream, rank, world)
