@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, cast
@@ -42,8 +43,10 @@ __all__ = ["FSDP2_SURFACE", "FSDPModule", "UnshardHandle", "fully_shard"]
 
 _NO_MIXED_PRECISION = MixedPrecisionPolicy()
 _NO_OFFLOAD = OffloadPolicy()
-# Set on a parameter fully_shard replaced: (module class, fqn) of the group that holds it.
-_MOVED_ATTR = "_raggedfsdp_moved_to"
+# Set on a parameter fully_shard sharded: a uid that outlives it (an id may be reused),
+# as FSDP2's _orig_param_uid, so that a later call sharding it again is known.
+_UID_ATTR = "_raggedfsdp_uid"
+_UIDS = itertools.count()
 
 
 def fully_shard(
@@ -209,16 +212,16 @@ def fully_shard(
             )
         mesh = spmd.dp
     if mesh.ndim not in (1, 2):
-        raise ValueError(
-            f"fully_shard: mesh must be 1-D (FSDP) or 2-D (replicate, shard: HSDP), got a "
-            f"{mesh.ndim}-D mesh of shape {tuple(mesh.shape)}; pass the data-parallel dims, "
-            "e.g. mesh['dp_replicate', 'dp_shard']"
+        raise ValueError(  # FSDP2's words first: see [Note: FSDP2's exception types]
+            f"fully_shard expects a 1D or 2D DeviceMesh but got {mesh}: a {mesh.ndim}-D mesh "
+            f"of shape {tuple(mesh.shape)}; FSDP is 1-D, HSDP 2-D (replicate, shard): pass "
+            "the data-parallel dims, e.g. mesh['dp_replicate', 'dp_shard']"
         )
     if mesh.ndim == 2 and mesh.mesh_dim_names is None:
         raise InputError(
-            f"fully_shard: a 2-D mesh (HSDP) of shape {tuple(mesh.shape)} needs mesh_dim_names "
-            "(replicate first, then shard): init_device_mesh(..., mesh_dim_names=('replicate', "
-            "'shard'))"
+            "Please init the 2D mesh for HSDP with mesh_dim_names specified: fully_shard got a "
+            f"2-D mesh of shape {tuple(mesh.shape)} without mesh_dim_names (replicate first, "
+            "then shard): init_device_mesh(..., mesh_dim_names=('replicate', 'shard'))"
         )
     resolve_reshard_after_forward(reshard_after_forward, mesh.size(-1))  # raises on bad input
     refs, originals = _collect_params(modules, set(ignored_params or ()))
@@ -268,7 +271,7 @@ def fully_shard(
         buffers = [g for part in parts for g in part]
         group = GroupSet(buffers, buffers[0].name if len(buffers) == 1 else name)
     for ref, p in zip(refs, originals):
-        setattr(p, _MOVED_ATTR, (name, ref.fqn))
+        setattr(p, _UID_ATTR, ref.origin)
     state = FSDPState(modules, group, mesh, mp_policy, reshard_after_forward)
     for m in modules:
         m.__class__ = _fsdp_class(m.__class__)
@@ -379,9 +382,11 @@ def _check_placement(fqn: str, param: nn.Parameter, placement) -> None:
         )
     if placement is None or -param.dim() <= placement.dim < param.dim():
         return  # Shard(d > 0) is laid out as dim-0 rows: see [Note: Shard(d) placements]
-    raise ValueError(
-        f"fully_shard: shard_placement_fn gives parameter {fqn!r} {placement!r}, but it has "
-        f"{param.dim()} dims; return None or Shard(d) with -{param.dim()} <= d < {param.dim()}"
+    dim = placement.dim if placement.dim >= 0 else placement.dim + param.dim()
+    raise InputError(  # FSDP2's AssertionError, and its words first
+        f"Shard dim {dim} is invalid for {param.dim()}D tensor: {param.shape}: fully_shard's "
+        f"shard_placement_fn gives parameter {fqn!r} {placement!r}; return None or Shard(d) "
+        f"with -{param.dim()} <= d < {param.dim()}"
     )
 
 
@@ -415,14 +420,9 @@ def _collect_params(
             if p is None or p in ignored:
                 continue
             _check_param(prefix + name, p)
-            moved = getattr(p, _MOVED_ATTR, None)
-            if moved is not None:  # the original of a parameter another group replaced
-                raise ValueError(
-                    f"fully_shard: parameter {prefix + name!r} is also {moved[1]!r} of "
-                    f"{moved[0]}, which another fully_shard call already sharded; a parameter "
-                    "shared by two groups would become two copies that drift apart: "
-                    "fully_shard the modules' common parent instead of each of them"
-                )
+            # The original of a parameter another group already replaced is sharded
+            # again, as FSDP2 does; the root refuses the pair at the first forward
+            # (FSDPState._validate_params), where FSDP2 does.
             owner = _sharded_by(p)
             if owner is not None:  # already sharded: fully_shard(root) came before this call
                 raise ValueError(
@@ -433,11 +433,14 @@ def _collect_params(
             if id(p) in refs:
                 refs[id(p)].uses.append((mod, name))  # tied: one parameter, several places
             else:
+                uid = getattr(p, _UID_ATTR, None)  # set: an earlier call sharded it too
                 refs[id(p)] = ParamRef(
                     fqn=prefix + name,
                     uses=[(mod, name)],
                     shape=p.shape,
                     requires_grad=p.requires_grad,
+                    origin=next(_UIDS) if uid is None else uid,
+                    resharded=uid is not None,
                 )
                 originals[id(p)] = p
         for child_name, child in mod._modules.items():
@@ -457,16 +460,17 @@ def _collect_params(
 
 def _check_param(fqn: str, p: nn.Parameter) -> None:
     """FSDP2's checks of a parameter, with its exception types."""
-    if p.dim() == 0:
+    if p.dim() == 0:  # FSDP2's words first: see [Note: FSDP2's exception types]
         raise ValueError(
-            f"fully_shard: parameter {fqn!r} is 0-d (a scalar); a shard cuts a dim: make it "
-            "shape (1,), or pass it in ignored_params"
+            "fully_shard doesn't support scalar parameters. Change "
+            f"{fqn} to a 1D tensor with numel equal to 1. (fully_shard: parameter {fqn!r} is "
+            "0-d; a shard cuts a dim: make it shape (1,), or pass it in ignored_params)"
         )
     if not p.is_contiguous():
         raise NotImplementedError(
-            f"fully_shard: parameter {fqn!r} of shape {tuple(p.shape)} is not contiguous "
-            f"(strides {p.stride()}, e.g. channels_last); FSDP2 does not shard such parameters "
-            "either: make it contiguous first (module.to(memory_format=torch.contiguous_format))"
+            "FSDP does not support non-contiguous parameters yet: fully_shard got parameter "
+            f"{fqn!r} of shape {tuple(p.shape)} with strides {p.stride()} (e.g. channels_last): "
+            "make it contiguous first (module.to(memory_format=torch.contiguous_format))"
         )
 
 
@@ -741,15 +745,15 @@ class FSDPModule(TorchFSDPModule):
             stream: FSDP2's stream to run the hook on (not with HSDP: ValueError, as
                 FSDP2). On an accelerator the hook runs on it: the stream first waits for
                 the reduction, and the current stream waits for the hook before the
-                gradients are used. On the CPU there are no streams: ignored (FSDP2 too
-                runs the hook in place there). Default None: the current stream.
+                gradients are used. On the CPU the hook runs with ``torch.cpu.stream(stream)``
+                current, as FSDP2's. Default None: the current stream.
         """
         states = self._fsdp_states(False)
         if stream is not None:
             if any(s.group is not None and s.group.replicate_group is not None for s in states):
                 raise ValueError(
-                    "set_all_reduce_hook: stream cannot be set with HSDP (a 2-D mesh): the "
-                    "hook runs after the all-reduce, on its stream (as FSDP2)"
+                    "stream cannot be set when using native HSDP: set_all_reduce_hook's hook "
+                    "runs after the HSDP all-reduce, on its stream (as FSDP2); drop stream="
                 )
             hook = _on_stream(hook, stream)
         for s in states:
@@ -975,11 +979,17 @@ class FSDPModule(TorchFSDPModule):
 
 
 def _on_stream(hook: Callable[[torch.Tensor], None], stream) -> Callable[[torch.Tensor], None]:
-    """``hook`` run on ``stream`` (``set_all_reduce_hook``); itself where there are no
-    streams (the CPU, and ``torch.cpu.Stream``'s stand-in)."""
+    """``hook`` run on ``stream`` (``set_all_reduce_hook``). On the CPU, with
+    ``torch.cpu.stream(stream)`` current, as FSDP2 runs it (no work is queued there, but
+    ``torch.cpu.current_stream()`` inside the hook is ``stream``)."""
     device = getattr(stream, "device", None)
     if device is None or torch.device(device).type == "cpu":
-        return hook
+
+        def on_cpu(output: torch.Tensor) -> None:
+            with torch.cpu.stream(stream):
+                hook(output)
+
+        return on_cpu
 
     def run(output: torch.Tensor) -> None:
         current = torch.accelerator.current_stream(output.device)
@@ -997,7 +1007,7 @@ FSDP2_SURFACE: dict[str, str] = {
     "reset_iter_state": "supported",
     "reshard": "supported",
     "unshard": "supported",
-    "set_all_reduce_hook": "supported (stream= too; ignored on the CPU)",
+    "set_all_reduce_hook": "supported (stream= too)",
     "set_force_sum_reduction_for_comms": "supported",
     "set_gradient_divide_factor": "supported",
     "set_reduce_scatter_divide_factor": "supported (deprecated alias, as in FSDP2)",

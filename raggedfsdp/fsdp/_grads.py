@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor
 from raggedfsdp.fsdp._device import DeviceStreams, new_group_like
 from raggedfsdp.fsdp._hooks import may_read_parameters, reads_no_parameters
 from raggedfsdp.fsdp._records import ParamRef, PendingGather, PendingReduce, ShardedState
+from raggedfsdp.fsdp._subclass import is_plain
 from raggedfsdp.fsdp._trace import logger, phase
 
 if TYPE_CHECKING:
@@ -153,7 +154,12 @@ class GradientPath:
 
     def _first_grad_hook(self, ref: ParamRef, grad: torch.Tensor) -> torch.Tensor:
         """Tensor hook of every unsharded parameter: runs before autograd accumulates
-        ``grad`` (the parameter's whole gradient of this backward)."""
+        ``grad`` (the parameter's whole gradient of this backward). A tensor subclass's
+        gradient (one that flowed from a subclass parameter, torch's TwoTensor's, say)
+        continues as its copy into a plain tensor, as FSDP2 copies every gradient into
+        its reduce-scatter input (the subclass's own ``copy_`` decides the values)."""
+        if not (is_plain(grad) or isinstance(grad, DTensor)):
+            grad = torch.empty(grad.shape, dtype=grad.dtype, device=grad.device).copy_(grad)
         if not self.needs_post_backward:
             return grad
         if self._in_place:

@@ -73,6 +73,9 @@ class GroupSet:
     def state(self):
         return self.groups[0].state
 
+    def on_meta(self) -> list[ParamRef]:
+        return [ref for g in self.groups for ref in g.on_meta()]
+
     @property
     def is_unsharded(self) -> bool:
         return all(g.is_unsharded for g in self.groups)

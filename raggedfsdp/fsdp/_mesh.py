@@ -24,6 +24,7 @@ names in a root mesh. It compares:
 
 from __future__ import annotations
 
+import weakref
 from typing import cast
 
 import torch
@@ -107,7 +108,12 @@ def same_ranks_dim(tp_mesh: DeviceMesh, dp_mesh: DeviceMesh) -> int | None:
     return None
 
 
-_COMPOSED: dict[tuple, DeviceMesh] = {}
+# Composed meshes by (process-group names, dim names, device), each kept with weak
+# references to the groups it was made over: torch names groups by a counter that starts
+# again after destroy_process_group, so a name alone may mean another group (other ranks)
+# in the next process group. A hit counts only while those very groups are the ones asked
+# for; a stale entry is made again.
+_COMPOSED: dict[tuple, tuple[tuple[weakref.ref, ...], DeviceMesh]] = {}
 
 
 def compose(tp_mesh: DeviceMesh, dp_mesh: DeviceMesh) -> DeviceMesh:
@@ -136,20 +142,23 @@ def _concat(meshes: list[DeviceMesh]) -> DeviceMesh:
     if None in names or len(set(names)) < len(names):
         names = [f"dim{i}" for i in range(len(meshes))]
     key = (tuple(g.group_name for g in groups), tuple(names), meshes[0].device_type)
-    if key not in _COMPOSED:
-        grid = _grid(meshes)  # (sizes...) global ranks
-        if len(set(grid.flatten().tolist())) != grid.numel():
-            raise ValueError(
-                f"the meshes {meshes} overlap: their rank grid {grid.tolist()} repeats a "
-                "rank; each mesh must run along other ranks"
-            )
-        _COMPOSED[key] = DeviceMesh.from_group(
-            groups,
-            meshes[0].device_type,
-            mesh=grid,
-            mesh_dim_names=tuple(cast(list[str], names)),  # no None: replaced above
+    cached = _COMPOSED.get(key)
+    if cached is not None and all(ref() is g for ref, g in zip(cached[0], groups)):
+        return cached[1]
+    grid = _grid(meshes)  # (sizes...) global ranks
+    if len(set(grid.flatten().tolist())) != grid.numel():
+        raise ValueError(
+            f"the meshes {meshes} overlap: their rank grid {grid.tolist()} repeats a "
+            "rank; each mesh must run along other ranks"
         )
-    return _COMPOSED[key]
+    mesh = DeviceMesh.from_group(
+        groups,
+        meshes[0].device_type,
+        mesh=grid,
+        mesh_dim_names=tuple(cast(list[str], names)),  # no None: replaced above
+    )
+    _COMPOSED[key] = (tuple(weakref.ref(g) for g in groups), mesh)
+    return mesh
 
 
 def _grid(meshes: list[DeviceMesh]) -> torch.Tensor:

@@ -186,7 +186,7 @@ class ParamGroup(GradientPath):
         self.dbuf = self._new_dbuf(shard_device)
         for ref, p in zip(refs, originals):
             ref.placement = RaggedShard.from_layout(self.layout, ref.fqn)
-            if self.device.type != "meta":
+            if self.device.type != "meta" and not self._holds(ref):
                 full = values_of(p).contiguous()  # a subclass's inner tensor
                 self.dbuf.shard_view(ref.fqn).copy_(ref.placement.local_view(full, self.rank))
             self._make_sharded(ref)
@@ -266,7 +266,13 @@ class ParamGroup(GradientPath):
         else:  # re-point an existing parameter (after to_empty / _apply), keeping its identity
             cast(DTensor, ref.sharded)._local_tensor = dt._local_tensor
             cast(DTensor, ref.sharded)._spec = dt._spec  # an adopted DTensor's placements
-        setattr(ref.sharded, OWNER_ATTR, (self, self.refs.index(ref)))
+        if not self._holds(ref):  # a parameter of its own rows is in no buffer (buffer_of)
+            setattr(ref.sharded, OWNER_ATTR, (self, self.refs.index(ref)))
+
+    def _holds(self, ref: ParamRef) -> bool:
+        """A subclass parameter holding rows of its own, not a view of the shard storage
+        (see [Note: tensor-subclass all-gather])."""
+        return self.subclass is not None and self.subclass.holds(ref)
 
     def reset_after_apply(self) -> None:
         """Rebuild the storages after ``Module._apply`` (``to_empty``, ``to``, ``float``).
@@ -282,11 +288,15 @@ class ParamGroup(GradientPath):
         # A storage's identity is its StorageImpl's address (``_cdata``), which fake tensors
         # have too (their data_ptr is deprecated).
         storage = self.dbuf.shard.untyped_storage()._cdata
-        views = all(  # to_empty on the same device gives new tensors too
-            values_of(p._local_tensor if isinstance(p, DTensor) else p).untyped_storage()._cdata
-            == storage
-            for p in current.values()
-        )
+
+        def unchanged(ref: ParamRef) -> bool:  # to_empty on the same device gives new tensors
+            p = current[ref.fqn]
+            local = p._local_tensor if isinstance(p, DTensor) else p
+            if self.subclass is not None and self.subclass.holds(ref):
+                return local is self.subclass.held_rows(ref)
+            return values_of(local).untyped_storage()._cdata == storage
+
+        views = all(unchanged(ref) for ref in self.refs)
         if views and (shard_device, local0.dtype) == (self.dbuf.shard.device, self.dtype):
             return
         self.unloaded = {}  # every parameter now holds what _apply gave it
@@ -298,9 +308,13 @@ class ParamGroup(GradientPath):
         self.dbuf = self._new_dbuf(shard_device)
         for ref in self.refs:
             new = current[ref.fqn]
-            self.dbuf.shard_view(ref.fqn).copy_(
-                values_of(new._local_tensor if isinstance(new, DTensor) else new)
-            )
+            if self._holds(ref):  # its new rows are the parameter's own
+                assert self.subclass is not None
+                self.subclass.adopt(ref, new._local_tensor if isinstance(new, DTensor) else new)
+            else:
+                self.dbuf.shard_view(ref.fqn).copy_(
+                    values_of(new._local_tensor if isinstance(new, DTensor) else new)
+                )
             if ref.sharded is not new:
                 ref.sharded = None  # _apply made a new Parameter: adopt a fresh one
             self._make_sharded(ref)
@@ -490,6 +504,13 @@ class ParamGroup(GradientPath):
             f"placements {placements} on {mesh} or a tensor of shape {tuple(ref.shape)}: {fix}"
         )
 
+    def on_meta(self) -> list[ParamRef]:
+        """The parameters still on the meta device (all of them on a meta buffer, else the
+        ones a partial load left there)."""
+        if self.device.type == "meta":
+            return list(self.refs)
+        return [r for r in self.refs if r.fqn in self.unloaded]
+
     # ---- unshard / reshard ----------------------------------------------------------------
     @phase("all_gather")
     def unshard(self, async_op: bool = False) -> None:
@@ -498,13 +519,13 @@ class ParamGroup(GradientPath):
             return  # a no-op by contract: see [Note: group states]
         if self._grads_hold_params:  # a reduce-scatter still reads the storage
             self.wait_reduce()
-        if self.device.type == "meta" or self.unloaded:
+        if self.device.type == "meta" or self.unloaded:  # the root checked at its first forward
             names = list(self.unloaded.values()) or [r.fqn for r in self.refs]
             raise RuntimeError(
-                f"fully_shard: parameters {names[:3]}{'...' if len(names) > 3 else ''} of "
-                f"{self.name} are still on the meta device; call module.to_empty(device=...) "
-                "and initialise them, or load them (load_state_dict(..., assign=True), "
-                "set_model_state_dict), before forward"
+                "FSDP parameters should be materialized from meta device before training, "
+                f"but the following were still on meta device: {names} (of {self.name})\n"
+                "call module.to_empty(device=...) and initialise them, or load them "
+                "(load_state_dict(..., assign=True), set_model_state_dict), before forward"
             )
         # [Note: version counter] autograd saved the unsharded parameters in forward;
         # refilling their storage for backward is the point, so the all-gather must not

@@ -64,6 +64,8 @@ class ParamRef:
     grad_in_place: bool = False  # its gradient replaced its unsharded value this backward
     assigned_grad: torch.Tensor | None = None  # the unsharded .grad we set (a storage view)
     hooks: list = field(default_factory=list)
+    origin: int = -1  # the parameter fully_shard got, by uid (FSDP2's _orig_param_uid)
+    resharded: bool = False  # an earlier fully_shard call sharded that parameter too
 
     @property
     def param(self) -> nn.Parameter:

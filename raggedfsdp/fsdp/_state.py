@@ -267,8 +267,9 @@ class FSDPState:
                     )
                 s.is_root, s.root = False, self
         try:
-            for s in self._states:
+            for s in self._states:  # adoption first: the checks below see what it took
                 s.lazy_init_group()
+            self._validate_params()
         except Exception:  # the next forward, once the model is fixed, initializes again
             for s in self._states:
                 s.is_root, s.root = None, None
@@ -289,6 +290,70 @@ class FSDPState:
         for module in holders.values():
             module.register_state_dict_pre_hook(lambda *args, **kwargs: group.reshard())
         self._state_dict_hooked = True
+
+    def _validate_params(self) -> None:
+        """FSDP2's checks at the root's first forward, with its exception types and its
+        words (then ours): a parameter that two groups shard, a parameter still on meta.
+
+        Raises:
+            ValueError: two groups shard one parameter (FSDP2 accepts both calls).
+            RuntimeError: a group's parameters are still on the meta device.
+        """
+        order: dict[int, tuple[int, str]] = {}  # id(param) -> (position, fqn from the root)
+        for top in self.modules:
+            for name, p in top.named_parameters(remove_duplicate=False):
+                order.setdefault(id(p), (len(order), name))
+
+        def fqn(ref) -> str:
+            return order.get(id(ref.sharded), (0, ref.fqn))[1]
+
+        seen: set[int] = set()
+        for s in self._states:
+            for ref in s.group.refs if s.group is not None else ():
+                if ref.origin < 0:  # not from fully_shard's own collection: no uid
+                    continue
+                if ref.origin in seen:
+                    raise ValueError(
+                        f"Parameter '{fqn(ref)}' is shared with a parameter already managed by "
+                        "another FSDP group. For shared/tied parameters, use "
+                        "fully_shard([module_a, module_b]) to place them in the same FSDP group. "
+                        "(raggedfsdp: two groups would hold two copies that drift apart; "
+                        "fully_shard the modules' common parent, or the list of them)"
+                    )
+                seen.add(ref.origin)
+        for s in self._states:  # the other copy is under another root: FSDP2 trains both
+            for ref in s.group.refs if s.group is not None else ():
+                if ref.resharded:
+                    raise ValueError(
+                        f"fully_shard: parameter '{fqn(ref)}' is also sharded by a fully_shard "
+                        "call outside this model, which holds a copy of its own; the two would "
+                        "drift apart: fully_shard the modules' common parent, or the list of them"
+                    )
+        for s in self._states:  # FSDP2 reads hooks set on a local shard after fully_shard
+            for g in s.group.groups if s.group is not None else ():
+                for ref in g.refs if g.subclass is None else ():
+                    local = getattr(ref.sharded, "_local_tensor", None)
+                    if "fsdp_pre_all_gather" in getattr(local, "__dict__", {}):
+                        raise NotImplementedError(
+                            f"fully_shard: parameter '{fqn(ref)}' got FSDP2's all-gather hooks "
+                            "on its local tensor after fully_shard; raggedfsdp gathers a plain "
+                            "parameter as a view of its buffer and reads the hooks of tensor "
+                            "subclasses only: make the parameter a tensor subclass before "
+                            "fully_shard (the hooks may then be set on its local tensor)"
+                        )
+        for s in self._states:
+            on_meta = s.group.on_meta() if s.group is not None else []
+            if on_meta:
+                names = [
+                    fqn(r) for r in sorted(on_meta, key=lambda r: order.get(id(r.sharded), (0,))[0])
+                ]
+                raise RuntimeError(
+                    "FSDP parameters should be materialized from meta device before training, "
+                    f"but the following were still on meta device: {names}\n"
+                    "For example, call module.to_empty(device) to materialize to device and "
+                    "call module.reset_parameters() on each module to initialize values "
+                    "(or load them: load_state_dict(..., assign=True), set_model_state_dict)."
+                )
 
     def _enter(self, event: str) -> None:
         """Move ``training_state`` by ``event``; see [Note: training states]."""

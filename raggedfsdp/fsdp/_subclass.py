@@ -3,19 +3,34 @@
 [Note: tensor-subclass all-gather]
 A parameter whose tensor defines ``fsdp_pre_all_gather`` / ``fsdp_post_all_gather``
 (torchao's float8 weights, NF4, TransformerEngine) is gathered as the subclass asks,
-not as its own bytes, as in FSDP2 (torch 2.13's ``_fsdp_param.py``):
+not as its own bytes, as in FSDP2 (torch 2.13's ``_fsdp_param.py``); a tensor subclass
+without the hooks is gathered as its values, as FSDP2's default path gathers it:
 
 - It keeps its class. ``fully_shard`` plans such parameters into buffers of their own
   (never beside plain ones, which stay zero-copy views), and where one buffer would
   leave a rank none of a parameter that has a row for every rank, one buffer each
   (the hooks run on every rank's rows, and torchao's amax cannot take none; FSDP2's
-  even chunks never leave a rank empty either); the sharded parameter is a
-  ``RaggedShard`` DTensor whose local tensor is the subclass rebuilt by
-  ``__tensor_unflatten__`` around this rank's rows of the shard storage, so an
-  optimizer that updates it (or the buffer) updates the other.
+  even chunks never leave a rank empty either). The sharded parameter is a
+  ``RaggedShard`` DTensor whose local tensor is either
+  - the subclass rebuilt by ``__tensor_unflatten__`` around this rank's rows of the
+    shard storage, where it can be (the hooks, one plain inner tensor holding its
+    values as they are, a 4-argument ``__tensor_unflatten__``): an optimizer that
+    updates it (or the buffer) updates the other; or
+  - otherwise (two inner tensors, as torch's TwoTensor; no hooks; no
+    ``__tensor_flatten__``; a ``__tensor_unflatten__`` of another signature, which
+    FSDP2 never calls) this rank's rows of the parameter taken by the subclass's own
+    ops (``param[r0:r1].clone()``, as FSDP2's chunk), *held* by the parameter: its span
+    of the shard storage is unused, ``buffer_of`` does not find it, and optimizers step
+    it on its own (its ``.grad`` is still a view of the buffer's gradient storage).
 - ``unshard`` calls ``fsdp_pre_all_gather(shard_mesh, outer_size, outer_stride, module,
   mp_policy)`` (or FSDP2's older ``fsdp_pre_all_gather(mesh)``) on each local shard:
-  rows ``r0:r1`` of the parameter, possibly none, a different count on each rank. Every
+  rows ``r0:r1`` of the parameter, possibly none, a different count on each rank (an
+  input padded to FSDP2's even chunk, ``ceil(rows / world)`` rows, as FSDP2 asks of
+  hooks where its chunks are uneven, is cut to the rank's rows first). The
+  hooks are read at each gather, as FSDP2 reads them, so hooks set on a local tensor
+  after ``fully_shard`` count. Without hooks the input is the local tensor copied into a
+  plain tensor by the subclass's own ``copy_`` (FSDP2's copy-in), cast to
+  ``param_dtype``; an input a hook returns as a subclass is copied the same way. Every
   all-gather input must have those rows as dim 0 (its other dims the same on every
   rank); where every rank holds as many rows, any shape is taken, as FSDP2 does. All the
   buffer's inputs are copied into one byte buffer per rank, padded to the largest rank's
@@ -23,13 +38,16 @@ not as its own bytes, as in FSDP2 (torch 2.13's ``_fsdp_param.py``):
 - ``wait_for_unshard`` copies each input's pieces, rank after rank, into one output of
   the parameter's full rows (the same tensor every step, its storage freed at reshard
   as FSDP2 frees its all-gather outputs) and calls ``fsdp_post_all_gather(outputs,
-  metadata, param_dtype)``; the module holds an ``nn.Parameter`` of what it returns
-  (``as_strided`` to the parameter's shape, as FSDP2). Later gathers call it with
-  ``out=`` that parameter, after reallocating the inner tensors it said to free.
+  metadata, param_dtype)`` (without hooks the output is the parameter); the module holds
+  an ``nn.Parameter`` of what it returns (``as_strided`` to the parameter's shape, as
+  FSDP2). Later gathers call it with ``out=`` that parameter, after reallocating the
+  inner tensors it said to free.
 - Gradients are plain tensors, as FSDP2's: the group's gradient storage takes them as
   it takes every other ([Note: gradient storage]; never written over the parameters,
   which are not views of the buffer), so the reduce-scatter, the sharded ``.grad`` and
-  optimizers are unchanged.
+  optimizers are unchanged. A gradient that is itself a subclass (a TwoTensor's) is
+  copied into a plain tensor by its ``copy_``, as FSDP2 copies it into its
+  reduce-scatter input.
 
 What it costs against a plain parameter of the same buffer kind: the subclass's own
 ``fsdp_pre_all_gather`` work (a cast or a quantization: one new tensor per input), one
@@ -39,17 +57,16 @@ send buffer, the unsharded parameter a view of the receive buffer). Its gradient
 what a plain parameter's cost under ``grads_in_params=False``: a zeroed view of the
 gradient storage that autograd adds into (no copy unless a ``.grad`` is replaced). A
 module holding both kinds has two buffers, so one more all-gather and reduce-scatter
-per gather than FSDP2's one per group. What it saves is the subclass's point: torchao's
-float8 inputs are a quarter of fp32's bytes on the wire. ``Float8BlockAllGather`` stays
-the copy-free way to gather FP8 (no amax all-reduce).
+per gather than FSDP2's one per group. A held parameter's span of the shard storage is
+memory FSDP2 does not spend (its rows once more, over the ranks). What it saves is the
+subclass's point: torchao's float8 inputs are a quarter of fp32's bytes on the wire.
+``Float8BlockAllGather`` stays the copy-free way to gather FP8 (no amax all-reduce).
 
-Not supported, refused by ``fully_shard`` naming the parameter: a subclass without
-``__tensor_flatten__`` or with more than one inner tensor (its values cannot be a view
-of the buffer), a parameter of 3 or more dims (RaggedShard cuts its flattened leading
-dims, not dim 0), FP8 block all-gather of it, CPU offload, tensor parallelism, and a
-subclass without the hooks (FSDP2 would keep it through its dispatch; here it would
-silently become a plain tensor). ``reshard_after_forward=int`` reshards such buffers
-fully (FSDP2 refuses it for them).
+Not supported, refused by ``fully_shard`` naming the parameter: a parameter of 3 or more
+dims (RaggedShard cuts its flattened leading dims, not dim 0), FP8 block all-gather of
+it, CPU offload, tensor parallelism. Hooks set after ``fully_shard`` on the local tensor
+of a *plain* parameter (a view of a plain buffer) are refused at the first forward.
+``reshard_after_forward=int`` reshards such buffers fully (FSDP2 refuses it for them).
 """
 
 from __future__ import annotations
@@ -72,13 +89,13 @@ if TYPE_CHECKING:
 
     from raggedfsdp.fsdp._param_group import ParamGroup, ParamRef
 
-__all__ = ["SubclassGather", "subclass_params", "values_of"]
+__all__ = ["SubclassGather", "is_plain", "subclass_params", "values_of"]
 
 _PRE, _POST = "fsdp_pre_all_gather", "fsdp_post_all_gather"
 _ALIGN = 16  # bytes: every piece of the send buffer starts aligned for any dtype's view
 
 
-def _is_plain(t: torch.Tensor) -> bool:
+def is_plain(t: torch.Tensor) -> bool:
     """A tensor whose values are all there is to it (a mode's tensor counts as plain)."""
     if type(t) in (torch.Tensor, nn.Parameter):
         return True
@@ -90,8 +107,8 @@ def _is_plain(t: torch.Tensor) -> bool:
 
 def values_of(t: torch.Tensor) -> torch.Tensor:
     """``t``'s values as a plain tensor (detached): its one inner tensor for a subclass
-    that ``subclass_params`` accepted."""
-    if _is_plain(t):
+    whose sharded parameter is a view of the buffer (``SubclassGather.holds`` False)."""
+    if is_plain(t):
         return t.detach()
     names, _ = cast(
         TraceableWrapperSubclass, t
@@ -100,33 +117,28 @@ def values_of(t: torch.Tensor) -> torch.Tensor:
 
 
 def subclass_params(refs, originals, specs, *, fp8_selected, offload) -> set[int]:
-    """Indices of the parameters gathered through the protocol (see [Note: tensor-subclass
-    all-gather]). Runs before ``fully_shard`` changes anything.
+    """Indices of the tensor-subclass parameters, gathered through FSDP2's protocol or,
+    without its hooks, as their plain values (see [Note: tensor-subclass all-gather]).
+    Runs before ``fully_shard`` changes anything.
 
     Raises:
-        NotImplementedError: a tensor subclass this protocol cannot keep (named).
+        NotImplementedError: a tensor subclass this path cannot keep (named).
         ValueError: hooks FSDP2 would reject too (one of the two, a wrong signature).
     """
     chosen = set()
     for i, (ref, p, spec) in enumerate(zip(refs, originals, specs)):
         local = p.to_local() if ref.tp is not None else p
-        if _is_plain(local):
+        if is_plain(local):
             continue
         what = f"fully_shard: parameter {ref.fqn!r} is a {type(local).__name__}"
         pre, post = hasattr(local, _PRE), hasattr(local, _POST)
-        if not (pre or post):
-            raise NotImplementedError(
-                f"{what}, a tensor subclass without FSDP2's all-gather hooks ({_PRE} / "
-                f"{_POST}); raggedfsdp shards parameters' values into a flat buffer and would "
-                "drop the subclass: give it the two hooks, convert it to a plain tensor, or "
-                "pass it in ignored_params"
-            )
         if pre != post:
             raise ValueError(
                 f"{what} with only {_PRE if pre else _POST}; FSDP2's all-gather protocol "
                 "needs both hooks: define both"
             )
-        _pre_all_gather_args(local, what)
+        if pre:
+            _pre_all_gather_args(local, what)
         _check_supported(ref, local, spec, what, i in fp8_selected, offload)
         chosen.add(i)
     return chosen
@@ -161,25 +173,6 @@ def _check_supported(ref, local: torch.Tensor, spec, what: str, fp8: bool, offlo
             "(Float8BlockAllGather) selects it too; one parameter has one gather: leave "
             "all_gather unset for this module, or use a plain weight with Float8BlockAllGather"
         )
-    if not is_traceable_wrapper_subclass(local):
-        raise NotImplementedError(
-            f"{what} without __tensor_flatten__ / __tensor_unflatten__; its sharded parameter "
-            "is rebuilt around a view of the flat buffer through them: implement both "
-            "(the traceable wrapper-subclass protocol)"
-        )
-    names, _ = local.__tensor_flatten__()
-    inner = getattr(local, names[0]) if len(names) == 1 else None
-    if inner is None or not _is_plain(inner):
-        raise NotImplementedError(
-            f"{what} with {len(names)} inner tensors {list(names)}; raggedfsdp keeps a "
-            "subclass whose one plain inner tensor holds the values (a view of the flat buffer)"
-        )
-    if inner.shape != local.shape or inner.dtype != local.dtype:
-        raise NotImplementedError(
-            f"{what} whose inner tensor {names[0]!r} is {inner.dtype} {tuple(inner.shape)}, "
-            f"not its own {local.dtype} {tuple(local.shape)}; raggedfsdp keeps a subclass "
-            "whose inner tensor holds its values as they are"
-        )
     if local.dim() > 2 or spec.stack:
         raise NotImplementedError(
             f"{what} of {local.dim()}-D shape {tuple(local.shape)}; RaggedShard cuts its "
@@ -199,16 +192,32 @@ class _Piece:
     offsets: list[int] = field(default_factory=list)  # where they start in its send buffer
 
 
+def _viewable(t: torch.Tensor) -> bool:
+    """Whether ``t``'s sharded parameter can be the subclass rebuilt around a view of the
+    buffer: the hooks, one plain inner tensor holding its values as they are, and
+    ``__tensor_unflatten__(inner, ctx, outer_size, outer_stride)`` to rebuild it."""
+    if not (hasattr(t, _PRE) and is_traceable_wrapper_subclass(t)):
+        return False
+    names, _ = t.__tensor_flatten__()
+    inner = getattr(t, names[0]) if len(names) == 1 else None
+    if inner is None or not is_plain(inner):
+        return False
+    if inner.shape != t.shape or inner.dtype != t.dtype:
+        return False
+    return len(inspect.signature(type(t).__tensor_unflatten__).parameters) == 4
+
+
 @dataclass(eq=False)
 class _Entry:
     """One parameter's protocol state."""
 
     ref: ParamRef
-    inner_name: str
+    inner_name: str  # "" where the sharded parameter holds rows of its own (held)
     ctx: Any  # __tensor_flatten__'s context
-    cls: type[TraceableWrapperSubclass]
+    cls: type
     module: nn.Module  # the module holding it (FSDP2 passes the same)
-    args: int  # fsdp_pre_all_gather's argument count (5, or 1)
+    original: torch.Tensor | None = None  # held: the parameter, until its rows are taken
+    held: torch.Tensor | None = None  # held: this rank's rows (the subclass's own tensor)
     rows: tuple[int, ...] = ()  # rows each rank holds (from the layout, at the first gather)
     metadata: Any = None  # fsdp_pre_all_gather's, until fsdp_post_all_gather takes it
     pieces: list[_Piece] = field(default_factory=list)  # one per all-gather input
@@ -238,15 +247,17 @@ class SubclassGather:
         )
         self.entries: dict[str, _Entry] = {}
         for ref, p in zip(group.refs, originals):
-            (name,), ctx = p.__tensor_flatten__()
-            self.entries[ref.fqn] = _Entry(
-                ref=ref,
-                inner_name=name,
-                ctx=ctx,
-                cls=type(p),
-                module=ref.uses[0][0],
-                args=_pre_all_gather_args(p, ""),
-            )
+            if _viewable(p):
+                (name,), ctx = cast(TraceableWrapperSubclass, p).__tensor_flatten__()
+                entry = _Entry(ref, name, ctx, type(p), ref.uses[0][0])
+            else:
+                entry = _Entry(ref, "", None, type(p), ref.uses[0][0], original=p)
+            self.entries[ref.fqn] = entry
+
+    def holds(self, ref: ParamRef) -> bool:
+        """Whether ``ref``'s sharded parameter holds rows of its own, not a view of the
+        buffer (the shard storage's span of it is unused; optimizers step it apart)."""
+        return not self.entries[ref.fqn].inner_name
 
     @property
     def param_dtype(self) -> torch.dtype:
@@ -255,11 +266,28 @@ class SubclassGather:
         return mp.param_dtype if mp.param_dtype is not None and dtype.is_floating_point else dtype
 
     def wrap(self, ref: ParamRef, local: torch.Tensor) -> torch.Tensor:
-        """The subclass around ``local`` (a view of the shard storage: rows x rest)."""
+        """The sharded parameter's local tensor: the subclass around ``local`` (a view of
+        the shard storage: rows x rest), or the rows it holds (``holds``), taken from the
+        parameter by the subclass's own ops at the first call, as FSDP2 chunks it."""
         e = self.entries[ref.fqn]
-        return e.cls.__tensor_unflatten__(
-            {e.inner_name: local}, e.ctx, local.size(), local.stride()
-        )
+        if e.inner_name:
+            cls = cast(type[TraceableWrapperSubclass], e.cls)
+            return cls.__tensor_unflatten__(
+                {e.inner_name: local}, e.ctx, local.size(), local.stride()
+            )
+        if e.held is None:
+            assert e.original is not None and ref.placement is not None  # set at __init__
+            r0, r1 = ref.placement.local_row_range(ref.shape, self.group.rank)
+            e.held, e.original = e.original.detach()[r0:r1].clone(), None
+        return e.held
+
+    def held_rows(self, ref: ParamRef) -> torch.Tensor | None:
+        """The rows ``ref``'s sharded parameter holds (``holds``), else None."""
+        return self.entries[ref.fqn].held
+
+    def adopt(self, ref: ParamRef, local: torch.Tensor) -> None:
+        """``local`` is ``ref``'s held rows now (``Module._apply`` made new ones)."""
+        self.entries[ref.fqn].held = local
 
     # ---- unshard --------------------------------------------------------------------------
     def start(self, process_group, gather=None):
@@ -277,6 +305,7 @@ class SubclassGather:
                 ranges = (e.ref.placement.local_row_range(e.ref.shape, r) for r in range(g.world))
                 e.rows = tuple(b - a for a, b in ranges)
             ins, e.metadata = self._pre_all_gather(e)
+            ins = tuple(self._unpadded(e, _plain_copy(x)) for x in ins)
             e.pieces = [self._piece(e, x) for x in ins]
             inputs.append(ins)
         # Every rank's send buffer, from the layout alone: piece after piece, each aligned.
@@ -303,8 +332,10 @@ class SubclassGather:
 
     def _pre_all_gather(self, e: _Entry):
         local = cast("DTensor", e.ref.param)._local_tensor
-        try:
-            if e.args == 1:
+        if not hasattr(local, _PRE):  # gathered as its values, as FSDP2's default path
+            return (_plain_copy(local).to(self.param_dtype),), None
+        try:  # hooks may be added after fully_shard: read at each gather, as FSDP2
+            if _pre_all_gather_args(local, f"fully_shard: parameter {e.ref.fqn!r}") == 1:
                 return getattr(local, _PRE)(self.shard_mesh)
             return getattr(local, _PRE)(
                 self.shard_mesh,
@@ -324,10 +355,21 @@ class SubclassGather:
                 "float8) call precompute_float8_dynamic_scale_for_fsdp after each step"
             ) from err
 
+    def _unpadded(self, e: _Entry, x):
+        """This rank's rows of an input padded as FSDP2 asks where its chunks are uneven:
+        ``ceil(rows / world)`` rows on every rank, its own first (torch's padded-chunk
+        rule). Every rank decides alike: from the input's shape and the layout."""
+        g = self.group
+        chunk, mine = -(-sum(e.rows) // g.world), e.rows[g.rank]
+        padded = isinstance(x, torch.Tensor) and x.dim() >= 1 and x.shape[0] == chunk
+        if padded and mine != chunk and len(set(e.rows)) > 1 and max(e.rows) <= chunk:
+            return x[:mine]
+        return x
+
     def _piece(self, e: _Entry, x) -> _Piece:
         g = self.group
         where = f"fully_shard: {_PRE} of parameter {e.ref.fqn!r} ({e.cls.__name__}) returned"
-        if not isinstance(x, torch.Tensor) or not _is_plain(x):
+        if not isinstance(x, torch.Tensor) or not is_plain(x):
             raise TypeError(
                 f"{where} an all-gather input of type {type(x).__name__}: expected plain tensors"
             )
@@ -386,6 +428,10 @@ class SubclassGather:
         e = self.entries[ref.fqn]
         local = cast("DTensor", ref.param)._local_tensor
         outputs, metadata, e.metadata = tuple(e.outputs), e.metadata, None
+        if not hasattr(local, _POST):  # the gathered values are the parameter
+            if ref.unsharded is not None:  # a view of outputs[0], refilled
+                return None
+            return torch.as_strided(outputs[0], ref.shape, _contiguous_stride(ref.shape), 0)
         if ref.unsharded is not None:
             getattr(local, _POST)(outputs, metadata, self.param_dtype, out=ref.unsharded)
             return None
@@ -399,6 +445,14 @@ class SubclassGather:
         for e in self.entries.values():
             for t in (*e.outputs, *(t for t, _ in e.inner)):
                 _free(t)
+
+
+def _plain_copy(x):
+    """An all-gather input a hook returned as a tensor subclass, copied into a plain
+    tensor by the subclass's own ``copy_`` (as FSDP2's copy-in); anything else as it is."""
+    if not isinstance(x, torch.Tensor) or is_plain(x):
+        return x
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device).copy_(x)
 
 
 def _contiguous_stride(shape) -> tuple[int, ...]:

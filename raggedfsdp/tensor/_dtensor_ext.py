@@ -44,6 +44,7 @@ raggedfsdp`` see the change) and gets a trampoline as its code.
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import types
@@ -687,10 +688,70 @@ def _reduced_placement(placements, norm_type=None):
     return out
 
 
+# [Note: norms over several meshes]
+# ``torch.nn.utils.clip_grad_norm_`` takes ``_foreach_norm`` of every gradient, then
+# ``torch.stack`` of the norms. Under FSDP x TP the gradients live on two meshes, the
+# ``(tp, dp)`` mesh of TP parameters and the ``dp`` mesh of the others, and stack needs one.
+# Each norm is the Partial reduction of its own input's placements, lifted onto the
+# input mesh with the most dims when every other input mesh is made of its dims (each
+# dim's ranks are those of one of its dims, as the composed mesh reuses the dp groups,
+# or of several, as a flattened dp spans EP's ``(ep, dp_mod_ep)``): on a dim the input's
+# mesh lacks, the norm is ``Replicate()`` (every rank of that dim holds the same partial
+# value); over a flattened dim's parts, its Partial on each (a sum, a p-norm or a max
+# over a grid is the same reduction done one dim after the other). A dp-mesh norm
+# ``(Partial,)`` becomes ``(Replicate(), Partial)`` on ``(tp, dp)``, and a ``(tp, dp)``
+# norm keeps its tp part. Meshes that do
+# not nest keep their own mesh (``torch.stack`` then refuses them as it does FSDP2's), and
+# so do norms taken apart (``foreach=False``: one ``linalg.vector_norm`` per tensor), which
+# meet first in ``torch.stack``: lifting them there would change torch's stack of every
+# DTensor, not only RaggedShard's (see [Note: DTensor patches]).
+def _dims_spanning(ranks: set[int], mesh) -> tuple[int, ...] | None:
+    """The dims of ``mesh`` whose grid through this rank holds exactly ``ranks`` (one dim,
+    or the several a flatten joined), or None."""
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:
+        return None
+    for k in range(1, mesh.ndim + 1):
+        for dims in itertools.combinations(range(mesh.ndim), k):
+            index = tuple(slice(None) if i in dims else c for i, c in enumerate(coordinate))
+            if set(mesh.mesh[index].flatten().tolist()) == ranks:
+                return dims
+    return None
+
+
+def _lift(spec_mesh, placements, to_mesh) -> tuple | None:
+    """Reduced ``placements`` (Partial or Replicate) on ``spec_mesh`` as placements on
+    ``to_mesh``: Replicate on the dims ``spec_mesh`` lacks; None where ``spec_mesh``'s dims
+    are not made of ``to_mesh``'s."""
+    if spec_mesh == to_mesh:
+        return tuple(placements)
+    out: list = [Replicate()] * to_mesh.ndim
+    used: set[int] = set()
+    for d, p in enumerate(placements):
+        ranks = set(dist.get_process_group_ranks(spec_mesh.get_group(d)))
+        dims = _dims_spanning(ranks, to_mesh)
+        if dims is None or used & set(dims):
+            return None
+        used |= set(dims)
+        for t in dims:
+            out[t] = p
+    return tuple(out)
+
+
 def _foreach_norm_rule(op_schema, out_meta, spec):
+    """Each norm the Partial reduction of its own input, on a mesh every norm shares
+    where the input meshes nest (see [Note: norms over several meshes])."""
+    del spec  # each output names its mesh
     srcs = op_schema.args_schema[0]
     ord_ = op_schema.args_schema[1] if len(op_schema.args_schema) > 1 else 2
-    return [spec(_reduced_placement(s.placements, ord_), m) for s, m in zip(srcs, out_meta)]
+    reduced = [(s.mesh, _reduced_placement(s.placements, ord_)) for s in srcs]
+    widest = max((mesh for mesh, _ in reduced), key=lambda m: m.ndim)
+    lifted = [_lift(mesh, placements, widest) for mesh, placements in reduced]
+    if any(p is None for p in lifted):
+        return [
+            DTensorSpec(mesh, tuple(p), tensor_meta=m) for (mesh, p), m in zip(reduced, out_meta)
+        ]
+    return [DTensorSpec(widest, p, tensor_meta=m) for p, m in zip(lifted, out_meta)]
 
 
 def _sum_rule(op_schema, out_meta, spec):

@@ -13,6 +13,12 @@ On 2 ranks the comparison is bitwise: both frameworks hand the hooks the same va
 forward and backward on identical unsharded weights with the same kernels; the
 reduction of two addends is the same sum in either order and the average's halving is
 exact; SGD then updates the same master values elementwise.
+
+Subclasses FSDP2 keeps in other ways, each against FSDP2 in the same ranks: torch's
+``TwoTensor`` (two inner tensors, every op run on both) with the hooks and without them
+(FSDP2 gathers it as the values its ``copy_`` gives a plain tensor), hooks set on the
+sharded weights' local tensors after ``fully_shard`` (FSDP2 reads them at each gather),
+and a 3-argument ``__tensor_unflatten__`` (FSDP2 never calls it).
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import torch
 import torch.distributed.fsdp as torch_fsdp
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor, init_device_mesh
+from torch.testing._internal.two_tensor import TwoTensor
 from torch.utils import _pytree as pytree
 
 import raggedfsdp
@@ -157,20 +164,20 @@ class _Gathered(torch.Tensor):
 
 
 class _Block(nn.Module):
-    def __init__(self):
+    def __init__(self, hidden: int = 16):
         super().__init__()
-        self.l1 = nn.Linear(8, 16)
-        self.l2 = nn.Linear(16, 16)
+        self.l1 = nn.Linear(8, hidden)
+        self.l2 = nn.Linear(hidden, 16)
 
     def forward(self, x):
         return torch.tanh(self.l2(torch.tanh(self.l1(x))))
 
 
 class _Model(nn.Module):
-    def __init__(self, kind=_Bf16Weight):
+    def __init__(self, kind=_Bf16Weight, hidden: int = 16):
         super().__init__()
         torch.manual_seed(0)
-        self.block = _Block()
+        self.block = _Block(hidden)
         self.head = nn.Linear(16, 4)
         for lin in (self.block.l1, self.block.l2):  # weights wrapped, biases plain
             lin.weight = nn.Parameter(kind(lin.weight.detach().clone()))
@@ -279,8 +286,153 @@ CASES = {
 }
 
 
+# ---- subclasses FSDP2 keeps in other ways -----------------------------------------------------
+class _TwoHooked(TwoTensor):
+    """torch's TwoTensor (two inner tensors, every op run on both) with the all-gather
+    hooks: both inner tensors are gathered and the gathered pair is the parameter."""
+
+    def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
+        CALLS["pre"] += 1
+        return (self.a, self.b), None
+
+    def fsdp_post_all_gather(self, outputs, metadata, param_dtype, *, out=None):
+        CALLS["post"] += 1
+        a, b = outputs
+        if out is not None:  # the outputs were refilled in place: out holds them
+            assert out.a.untyped_storage().data_ptr() == a.untyped_storage().data_ptr()
+            return None
+        return TwoTensor(a, b), (a, b)
+
+
+class _UnflattenOf3(_Bf16Weight):
+    """A 3-argument ``__tensor_unflatten__`` that returns a plain tensor (as torch's
+    BFloat16AllGatherTensor test class): FSDP2 never calls it."""
+
+    @staticmethod
+    def __tensor_unflatten__(inner, outer_size, outer_stride):
+        raise AssertionError("FSDP2 never calls __tensor_unflatten__")
+
+
+class _PaddedInputs(_Bf16Weight):
+    """Pads its all-gather input to FSDP2's even chunk (``ceil(rows / world)`` rows, NaN
+    beyond its own) where FSDP2's chunks are uneven, as torch's BFloat16AllGatherTensor
+    test class does: the padding must never be read."""
+
+    def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
+        CALLS["pre"] += 1
+        if outer_size[0] % mesh.size() == 0:
+            return (self._data.to(torch.bfloat16),), None
+        chunk = -(-outer_size[0] // mesh.size())
+        padded = torch.full((chunk, *outer_size[1:]), float("nan"), dtype=torch.bfloat16)
+        padded[: self._data.size(0)].copy_(self._data)
+        return (padded,), None
+
+    def fsdp_post_all_gather(self, outputs, metadata, param_dtype, *, out=None):
+        CALLS["post"] += 1
+        (data,) = outputs
+        return None if out is not None else (_Gathered(data, param_dtype), (data,))
+
+
+def _hooks_on_the_local_shards(model) -> None:
+    """FSDP2's monkey patch: hooks set on each sharded weight's local tensor (an instance,
+    after fully_shard) that gather it in bf16 and read it back in ``param_dtype``."""
+
+    def pre(self, mesh, outer_size, outer_stride, module, mp_policy):
+        CALLS["pre (patched)"] += 1
+        return (self.to(torch.bfloat16),), None
+
+    def post(self, outputs, metadata, param_dtype, *, out=None):
+        CALLS["post (patched)"] += 1
+        (data,) = outputs
+        if out is not None:
+            with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(out):
+                out.copy_(data)
+            return None
+        value = data.to(param_dtype)
+        return value, (data, value)
+
+    for name, p in model.named_parameters():
+        if name.endswith("weight") and name.startswith("block"):
+            local = p._local_tensor
+            local.fsdp_pre_all_gather = pre.__get__(local)
+            local.fsdp_post_all_gather = post.__get__(local)
+
+
+def _two(w):
+    return TwoTensor(w, w.clone())
+
+
+def _values(p) -> dict[str, torch.Tensor]:
+    """The whole parameter, per inner tensor for a TwoTensor (plain otherwise)."""
+    local = p._local_tensor
+    pieces = {"a": local.a, "b": local.b} if isinstance(local, TwoTensor) else {"": local}
+    if isinstance(local, _Bf16Weight):
+        pieces = {"": local._data}
+    return {
+        k: DTensor.from_local(
+            v, p.device_mesh, p.placements, shape=p.shape, stride=p.stride()
+        ).full_tensor()
+        for k, v in pieces.items()
+    }
+
+
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    return t.a if isinstance(t, TwoTensor) else t
+
+
+def _train_kind(model, rank, setup) -> dict:
+    CALLS.clear()
+    setup(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    losses = []
+    for x in _data(rank)[:3]:
+        loss = model(x).square().mean()
+        loss.backward()
+        losses.append(_plain(loss.detach()))
+        opt.step()
+        opt.zero_grad()
+    kinds = {n: type(p._local_tensor).__name__ for n, p in model.named_parameters()}
+    params = {
+        f"{n}{k}": v for n, p in model.named_parameters() for k, v in _values(p.detach()).items()
+    }
+    return {"losses": torch.stack(losses), "params": params, "calls": dict(CALLS), "kinds": kinds}
+
+
+def _compare_kind(rank, world, kind, setup=lambda m: None, hidden=16):
+    """The same training as FSDP2's, bit for bit, the same hook calls, and the sharded
+    weights keep their class."""
+    mesh = init_device_mesh("cpu", (world,))
+    want = _train_kind(_shard(torch_fsdp.fully_shard, _Model(kind, hidden), mesh), rank, setup)
+    got = _train_kind(_shard(raggedfsdp.fully_shard, _Model(kind, hidden), mesh), rank, setup)
+    assert got["kinds"] == want["kinds"], (got["kinds"], want["kinds"])
+    assert torch.equal(got["losses"], want["losses"]), (got["losses"], want["losses"])
+    assert got["params"].keys() == want["params"].keys()
+    for name, w in want["params"].items():
+        g = got["params"][name]
+        assert torch.equal(g, w), f"{name} differs from FSDP2's by {(g - w).abs().max():.3g}"
+    assert got["calls"] == want["calls"], (got["calls"], want["calls"])
+
+
+KINDS = {
+    "two inner tensors, with the hooks": {"kind": lambda w: _TwoHooked(w, w.clone())},
+    "two inner tensors, no hooks (gathered as a plain tensor)": {"kind": _two},
+    "hooks set on the local shards after fully_shard": {
+        "kind": _two,
+        "setup": _hooks_on_the_local_shards,
+    },
+    "a 3-argument __tensor_unflatten__": {"kind": _UnflattenOf3},
+    "inputs padded to FSDP2's even chunk (15 rows on 2 ranks)": {
+        "kind": _PaddedInputs,
+        "hidden": 15,
+    },
+}
+
+
 def _parity(rank, world):
-    run_cases({name: functools.partial(_compare, rank, world, **kw) for name, kw in CASES.items()})
+    cases = {name: functools.partial(_compare, rank, world, **kw) for name, kw in CASES.items()}
+    for name, kw in KINDS.items():
+        cases[name] = functools.partial(_compare_kind, rank, world, **kw)
+    run_cases(cases)
 
 
 def test_subclass_all_gather_equals_fsdp2():
@@ -330,26 +482,6 @@ class _PlainWrapper(torch.Tensor):
     __tensor_unflatten__ = classmethod(_Bf16Weight.__tensor_unflatten__.__func__)
 
 
-class _NoFlatten(torch.Tensor):
-    """Has the hooks, but not the traceable-wrapper protocol."""
-
-    @staticmethod
-    def __new__(cls, data):
-        return _wrapper(cls, data)
-
-    def __init__(self, data):
-        self._data = data
-
-    __torch_dispatch__ = classmethod(_dispatch)
-    fsdp_pre_all_gather = _Bf16Weight.fsdp_pre_all_gather
-    fsdp_post_all_gather = _Bf16Weight.fsdp_post_all_gather
-
-
-class _TwoInner(_Bf16Weight):
-    def __tensor_flatten__(self):
-        return ["_data", "_data"], None
-
-
 class _PreOnly(_PlainWrapper):
     fsdp_pre_all_gather = _Bf16Weight.fsdp_pre_all_gather
 
@@ -382,21 +514,6 @@ def _refusals(rank, world):
         param_dtype=torch.bfloat16, all_gather=Float8BlockAllGather(tile=(8, 8))
     )
     cases = {
-        "no hooks": (
-            functools.partial(_Model, _PlainWrapper),
-            r"'block\.l1\.weight' is a _PlainWrapper.*without.*fsdp_pre_all_gather",
-            {},
-        ),
-        "no __tensor_flatten__": (
-            functools.partial(_Model, _NoFlatten),
-            r"'block\.l1\.weight' is a _NoFlatten.*__tensor_flatten__",
-            {},
-        ),
-        "two inner tensors": (
-            functools.partial(_Model, _TwoInner),
-            r"'block\.l1\.weight' is a _TwoInner.*2 inner tensors",
-            {},
-        ),
         "3-D parameter": (_Stack, r"'experts' is a _Bf16Weight.*3-D", {}),
         "FP8 block all-gather": (
             functools.partial(_Model),
@@ -429,7 +546,21 @@ def _refusals(rank, world):
         r"'block\.l1\.weight' is a _ThreeArgs.*fsdp_pre_all_gather\(self, mesh, outer_size",
         ValueError,
     )
+    checks["hooks set on a plain parameter's local shard"] = functools.partial(
+        _hooks_on_a_plain_shard_refused, world
+    )
     run_cases(checks)
+
+
+def _hooks_on_a_plain_shard_refused(world):
+    """FSDP2 reads hooks set on any local shard; raggedfsdp gathers plain parameters as
+    views of their buffer, so it refuses them at the first forward, naming the parameter."""
+    model = _shard(raggedfsdp.fully_shard, _Model(_two), init_device_mesh("cpu", (world,)))
+    local = model.head.weight._local_tensor  # plain: its buffer is a plain one
+    local.fsdp_pre_all_gather = _Bf16Weight.fsdp_pre_all_gather.__get__(local)
+    local.fsdp_post_all_gather = _Bf16Weight.fsdp_post_all_gather.__get__(local)
+    with pytest.raises(NotImplementedError, match=r"parameter 'head.weight' got FSDP2's all-gath"):
+        model(_data(0)[0])
 
 
 def test_unsupported_subclasses_are_refused():
