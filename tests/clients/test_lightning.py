@@ -22,6 +22,13 @@ parallel 2 x tensor parallel 2):
   for two epochs of two steps, ``ModelCheckpoint`` saving at each epoch's end; then a
   second ``Trainer.fit(ckpt_path=<epoch 0's checkpoint>)`` trains epoch 1 again.
 
+And **clipping over two meshes** (Fabric, FSDP x TP, a final ``LayerNorm`` outside the
+TP plan, so its parameters lie on the data-parallel mesh alone): FSDP2 refuses
+``fabric.clip_gradients`` there (RuntimeError "must have the same mesh"); raggedfsdp
+must return the true total norm (against the full gradients' norm, as
+``assert_close_to_reference`` bounds it), the same on every rank, and scale every
+gradient by one factor.
+
 Checked, per configuration: the losses (and Fabric's gradient norms, the values
 ``clip_gradients`` returns) of the uninterrupted run and of the resumed one, and the final
 parameters, lie within the bound derived from FSDP2's own run nudged on the same ranks
@@ -64,9 +71,10 @@ MESHES = {"fsdp": (4, 1), "fsdp_x_tp": (2, 2)}  # (data parallel, tensor paralle
 
 
 # ---- the user's model and parallelize function ----------------------------------------------
-def _model(seed: int):
+def _model(seed: int, final_norm: bool = False):
     """Lightning's tensor-parallel example (a SwiGLU feed-forward), two blocks with
-    residuals, built on the CPU from ``seed``."""
+    residuals, built on the CPU from ``seed``; with ``final_norm``, a ``LayerNorm`` after
+    them (outside the TP plan: its parameters stay on the data-parallel mesh alone)."""
     import torch
     import torch.nn.functional as F
     from torch import nn
@@ -85,11 +93,12 @@ def _model(seed: int):
         def __init__(self):
             super().__init__()
             self.blocks = nn.ModuleList(FeedForward() for _ in range(BLOCKS))
+            self.norm = nn.LayerNorm(DIM) if final_norm else nn.Identity()
 
         def forward(self, x):
             for block in self.blocks:
                 x = x + block(x)
-            return x
+            return self.norm(x)
 
     torch.manual_seed(seed)
     return Model()
@@ -252,6 +261,67 @@ def _trainer(fully_shard, dp: int, tp: int, folder: str) -> dict:
     return {"loss": lit.losses, "resumed": resumed.losses, "params": params}
 
 
+# ---- clipping over two meshes ---------------------------------------------------------------
+def _fabric_clip_two_meshes(folder: str) -> None:
+    """FSDP x TP with a final norm outside the TP plan: the blocks' parameters live on the
+    (data parallel, tensor parallel) mesh, the norm's on the data-parallel one alone.
+    FSDP2 refuses ``fabric.clip_gradients`` there (``torch.nn.utils.clip_grad_norm_``
+    stacks the per-parameter norms: "must have the same mesh"); raggedfsdp returns the
+    true total norm, the same on every rank, and scales every gradient by one factor."""
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.fsdp as torch_fsdp
+    import torch.nn.functional as F
+    from lightning.fabric import Fabric
+    from lightning.fabric.strategies import ModelParallelStrategy
+    from torch.distributed.tensor import DTensor
+
+    import raggedfsdp
+    from tests.numerics import U, assert_close_to_reference
+
+    dp, tp = MESHES["fsdp_x_tp"]
+    for fully_shard in (torch_fsdp.fully_shard, raggedfsdp.fully_shard):
+        strategy = ModelParallelStrategy(
+            parallelize_fn=partial(_parallelize, fully_shard=fully_shard),
+            data_parallel_size=dp,
+            tensor_parallel_size=tp,
+        )
+        fabric = Fabric(accelerator="cpu", devices=WORLD, strategy=strategy)
+        fabric.launch()
+        model = fabric.setup(_model(0, final_norm=True))
+        opt = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=LR))
+        meshes = {p.device_mesh.ndim for p in model.parameters()}
+        assert meshes == {1, 2}, meshes
+        x, y = _data()
+        dp_rank = strategy.device_mesh["data_parallel"].get_local_rank()
+        rows = slice(dp_rank * ROWS, (dp_rank + 1) * ROWS)
+        fabric.backward(F.mse_loss(model(x[rows]), y[rows]))
+        before = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+        if fully_shard is torch_fsdp.fully_shard:
+            with pytest.raises(RuntimeError, match="must have the same mesh"):
+                fabric.clip_gradients(model, opt, max_norm=MAX_NORM)
+            continue
+        norm = fabric.clip_gradients(model, opt, max_norm=MAX_NORM)
+        norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+        squares = [(g.double() ** 2).sum() for g in before.values()]
+        true64 = torch.stack(squares).sum().sqrt()
+        true32 = torch.stack([(g**2).sum() for g in before.values()]).sum().sqrt()
+        terms = sum(g.numel() for g in before.values())
+        assert_close_to_reference(norm, true32, true64, what="total norm: ", terms=terms)
+        norms = [torch.zeros(()) for _ in range(WORLD)]
+        dist.all_gather(norms, norm.detach().reshape(()))
+        assert all(torch.equal(n, norms[0]) for n in norms), f"ranks disagree: {norms}"
+        assert true64 > MAX_NORM, "clipping never bound"
+        scale = MAX_NORM / (true64 + 1e-6)
+        # one factor for every gradient: off the true one by the norm's own error
+        rel = (norm.double() - true64).abs() / true64 + 4 * U
+        for n, p in model.named_parameters():
+            want = before[n].double() * scale
+            got = p.grad.full_tensor().double()
+            worst = ((got - want).abs() - rel * want.abs()).max().item()
+            assert worst <= 0, f"{n}: not scaled by the one clipping factor ({worst:.3g})"
+
+
 # ---- the grid -------------------------------------------------------------------------------
 def _launcher_env(rank: int, world: int) -> None:
     """What a launcher exports; ``LOCAL_RANK`` tells Lightning the processes exist."""
@@ -299,13 +369,13 @@ def _against_fsdp2(api: str, dp: int, tp: int, folder: str) -> None:
 
 def _grid(rank: int, world: int, folder: str) -> None:
     _launcher_env(rank, world)
-    run_cases(
-        {
-            f"{api} {name}": partial(_against_fsdp2, api, dp, tp, folder)
-            for api in ("fabric", "trainer")
-            for name, (dp, tp) in MESHES.items()
-        }
-    )
+    cases = {
+        f"{api} {name}": partial(_against_fsdp2, api, dp, tp, folder)
+        for api in ("fabric", "trainer")
+        for name, (dp, tp) in MESHES.items()
+    }
+    cases["fabric fsdp_x_tp clipping over two meshes"] = partial(_fabric_clip_two_meshes, folder)
+    run_cases(cases)
 
 
 def test_lightning_model_parallel_against_fsdp2(tmp_path):
