@@ -17,10 +17,12 @@ parallel 2 x tensor parallel 2):
   ``fabric.clip_gradients(max_norm=...)`` (``torch.nn.utils.clip_grad_norm_`` over the
   sharded gradients), SGD with momentum, ``fabric.save`` after step 2 (a distributed
   checkpoint: model, optimizer and a step counter); then a second model, initialised
-  from another seed, ``fabric.load``s it and trains steps 3 and 4 again.
+  from another seed, ``fabric.load``s it and trains steps 3 and 4 again; raggedfsdp's run
+  also resumes so from FSDP2's checkpoint.
 - **Trainer**: ``Trainer(strategy=ModelParallelStrategy(...), gradient_clip_val=...)``
   for two epochs of two steps, ``ModelCheckpoint`` saving at each epoch's end; then a
-  second ``Trainer.fit(ckpt_path=<epoch 0's checkpoint>)`` trains epoch 1 again.
+  second ``Trainer.fit(ckpt_path=<epoch 0's checkpoint>)`` trains epoch 1 again;
+  raggedfsdp's run also from FSDP2's epoch 0 checkpoint.
 
 And **clipping over two meshes** (Fabric, FSDP x TP, a final ``LayerNorm`` outside the
 TP plan, so its parameters lie on the data-parallel mesh alone): FSDP2 refuses
@@ -30,12 +32,12 @@ must return the true total norm (against the full gradients' norm, as
 gradient by one factor.
 
 Checked, per configuration: the losses (and Fabric's gradient norms, the values
-``clip_gradients`` returns) of the uninterrupted run and of the resumed one, and the final
-parameters, lie within the bound derived from FSDP2's own run nudged on the same ranks
-([Note: derived tolerances] in ``tests/numerics.py``); each backend's resumed losses
-equal its uninterrupted ones bitwise (the checkpoint round trip is exact); clipping
-bound (FSDP2's first gradient norm exceeds ``MAX_NORM``) and the loss on the last batch
-fell from the epoch before.
+``clip_gradients`` returns) of the uninterrupted run and of the resumed ones (raggedfsdp's
+from its own checkpoint and from FSDP2's), and the final parameters, lie within the bound
+derived from FSDP2's own run nudged on the same ranks ([Note: derived tolerances] in
+``tests/numerics.py``); each backend's resumed losses equal its uninterrupted ones
+bitwise (the checkpoint round trip is exact); clipping bound (FSDP2's first gradient norm
+exceeds ``MAX_NORM``) and the loss on the last batch fell from the epoch before.
 
 Set up by hand, and why: Lightning starts its own processes unless the cluster
 environment says they exist; the test exports ``LOCAL_RANK`` (and the other variables a
@@ -149,7 +151,9 @@ def _full_params(model) -> dict:
 
 
 # ---- Fabric ---------------------------------------------------------------------------------
-def _fabric(fully_shard, dp: int, tp: int, folder: str) -> dict:
+def _fabric(fully_shard, dp: int, tp: int, folder: str, other: str | None = None) -> dict:
+    """Train, save after ``SAVE_AT`` steps, resume from there; with ``other`` (a folder of
+    another backend's run), resume from its checkpoint too (``"resumed_from_other"``)."""
     import torch
     import torch.nn.functional as F
     from lightning.fabric import Fabric
@@ -193,16 +197,22 @@ def _fabric(fully_shard, dp: int, tp: int, folder: str) -> dict:
     losses, norms = train(model, opt, range(STEPS), save=path)
     params = _full_params(model)
 
-    model, opt = setup(seed=1)  # other weights: the load must replace them
-    state = {"model": model, "optimizer": opt, "step": 0}
-    fabric.load(path, state)
-    assert state["step"] == SAVE_AT, state["step"]
-    resumed, _ = train(model, opt, range(SAVE_AT, STEPS))
-    return {"loss": losses, "grad_norm": norms, "resumed": resumed, "params": params}
+    def resume(path):
+        model, opt = setup(seed=1)  # other weights: the load must replace them
+        state = {"model": model, "optimizer": opt, "step": 0}
+        fabric.load(path, state)
+        assert state["step"] == SAVE_AT, state["step"]
+        return train(model, opt, range(SAVE_AT, STEPS))[0]
+
+    out = {"loss": losses, "grad_norm": norms, "resumed": resume(path), "params": params}
+    if other is not None:
+        out["resumed_from_other"] = resume(os.path.join(other, "fabric.ckpt"))
+    return out
 
 
 # ---- Trainer --------------------------------------------------------------------------------
-def _trainer(fully_shard, dp: int, tp: int, folder: str) -> dict:
+def _trainer(fully_shard, dp: int, tp: int, folder: str, other: str | None = None) -> dict:
+    """As ``_fabric``, through ``Trainer.fit`` and its ``ModelCheckpoint``."""
     import lightning as L
     import torch
     import torch.nn.functional as F
@@ -255,10 +265,13 @@ def _trainer(fully_shard, dp: int, tp: int, folder: str) -> dict:
 
     lit = fit(seed=0)
     params = _full_params(lit.model)
-    first_epoch = os.path.join(folder, f"epoch=0-step={SAVE_AT}.ckpt")
-    assert os.path.isdir(first_epoch), sorted(os.listdir(folder))  # distributed: a folder
-    resumed = fit(seed=1, ckpt_path=first_epoch)
-    return {"loss": lit.losses, "resumed": resumed.losses, "params": params}
+    first_epoch = f"epoch=0-step={SAVE_AT}.ckpt"  # distributed: a folder
+    assert os.path.isdir(os.path.join(folder, first_epoch)), sorted(os.listdir(folder))
+    resumed = fit(seed=1, ckpt_path=os.path.join(folder, first_epoch))
+    out = {"loss": lit.losses, "resumed": resumed.losses, "params": params}
+    if other is not None:
+        out["resumed_from_other"] = fit(seed=1, ckpt_path=os.path.join(other, first_epoch)).losses
+    return out
 
 
 # ---- clipping over two meshes ---------------------------------------------------------------
@@ -343,17 +356,20 @@ def _against_fsdp2(api: str, dp: int, tp: int, folder: str) -> None:
 
     runs = iter(range(100))
 
-    def run(fully_shard):  # a fresh checkpoint folder for every run, the same on every rank
+    def run(fully_shard, other=None):  # a fresh folder for every run, the same on every rank
         sub = os.path.join(folder, f"{api}_{dp}x{tp}_{next(runs)}")
-        return (_fabric if api == "fabric" else _trainer)(fully_shard, dp, tp, sub)
+        return (_fabric if api == "fabric" else _trainer)(fully_shard, dp, tp, sub, other)
 
     ref = reference(partial(run, torch_fsdp.fully_shard))
-    ours = run(raggedfsdp.fully_shard)
+    fsdp2_plain = os.path.join(folder, f"{api}_{dp}x{tp}_0")  # FSDP2's un-nudged run
+    ours = run(raggedfsdp.fully_shard, other=fsdp2_plain)
     tokens = dp * ROWS * DIM  # the terms of one step's mean loss
     what = f"{api} dp {dp} x tp {tp}, against FSDP2: "
     for series in ref.series:
         terms = tokens if series != "grad_norm" else BLOCKS * 3 * DIM * HIDDEN
         assert_losses_match(ours[series], ref, world=dp, tokens=terms, what=what, series=series)
+    got, other = ours["resumed_from_other"], what + "resumed from FSDP2's checkpoint: "
+    assert_losses_match(got, ref, world=dp, tokens=tokens, what=other, series="resumed")
     for name, p in ours["params"].items():
         assert_param_matches(name, p, ref, steps=STEPS, what=what)
     for backend, got in (("FSDP2", ref.series), ("raggedfsdp", ours)):
