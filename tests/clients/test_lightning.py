@@ -19,6 +19,11 @@ parallel 2 x tensor parallel 2):
   checkpoint: model, optimizer and a step counter); then a second model, initialised
   from another seed, ``fabric.load``s it and trains steps 3 and 4 again; raggedfsdp's run
   also resumes so from FSDP2's checkpoint.
+- **Fabric, meta init**: the same, each model built under
+  ``fabric.init_module(empty_init=True)`` (Lightning's ``setup`` materialises it:
+  ``to_empty`` on the root, ``reset_parameters`` on every submodule, after
+  ``fully_shard``), the first loaded with ``fabric.load_raw`` from a full state dict
+  file (``set_model_state_dict`` with ``broadcast_from_rank0``, submodule by submodule).
 - **Trainer**: ``Trainer(strategy=ModelParallelStrategy(...), gradient_clip_val=...)``
   for two epochs of two steps, ``ModelCheckpoint`` saving at each epoch's end; then a
   second ``Trainer.fit(ckpt_path=<epoch 0's checkpoint>)`` trains epoch 1 again;
@@ -151,10 +156,16 @@ def _full_params(model) -> dict:
 
 
 # ---- Fabric ---------------------------------------------------------------------------------
-def _fabric(fully_shard, dp: int, tp: int, folder: str, other: str | None = None) -> dict:
+def _fabric(
+    fully_shard, dp: int, tp: int, folder: str, other: str | None = None, empty_init=False
+) -> dict:
     """Train, save after ``SAVE_AT`` steps, resume from there; with ``other`` (a folder of
-    another backend's run), resume from its checkpoint too (``"resumed_from_other"``)."""
+    another backend's run), resume from its checkpoint too (``"resumed_from_other"``).
+    With ``empty_init``, every model is built on ``meta`` (``init_module(empty_init=True)``),
+    materialised by ``fabric.setup`` and the first one loaded from a full state dict file
+    (``fabric.load_raw``)."""
     import torch
+    import torch.distributed as dist
     import torch.nn.functional as F
     from lightning.fabric import Fabric
     from lightning.fabric.strategies import ModelParallelStrategy
@@ -172,8 +183,19 @@ def _fabric(fully_shard, dp: int, tp: int, folder: str, other: str | None = None
     x, y = (t.view(STEPS // 2, 4, ROWS, DIM)[:, dp_rank] for t in (x, y))
     batches = list(zip(x, y)) * 2  # two epochs of the same batches
 
+    raw = os.path.join(folder, "model.pt")  # the full initial weights, for load_raw
+    if empty_init and dist.get_rank() == 0:
+        os.makedirs(folder, exist_ok=True)
+        torch.save(_model(0).state_dict(), raw)
+    dist.barrier()
+
     def setup(seed):
-        model = fabric.setup(_model(seed))
+        with fabric.init_module(empty_init=empty_init):
+            model = _model(seed)
+        assert all(p.is_meta for p in model.parameters()) == empty_init
+        model = fabric.setup(model)
+        if empty_init and seed == 0:
+            fabric.load_raw(raw, model)
         opt = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9))
         return model, opt
 
@@ -349,6 +371,7 @@ def _launcher_env(rank: int, world: int) -> None:
 
 
 def _against_fsdp2(api: str, dp: int, tp: int, folder: str) -> None:
+    """``api``: "fabric", "fabric_empty_init" or "trainer"."""
     import torch.distributed.fsdp as torch_fsdp
 
     import raggedfsdp
@@ -358,7 +381,9 @@ def _against_fsdp2(api: str, dp: int, tp: int, folder: str) -> None:
 
     def run(fully_shard, other=None):  # a fresh folder for every run, the same on every rank
         sub = os.path.join(folder, f"{api}_{dp}x{tp}_{next(runs)}")
-        return (_fabric if api == "fabric" else _trainer)(fully_shard, dp, tp, sub, other)
+        if api == "trainer":
+            return _trainer(fully_shard, dp, tp, sub, other)
+        return _fabric(fully_shard, dp, tp, sub, other, empty_init=api == "fabric_empty_init")
 
     ref = reference(partial(run, torch_fsdp.fully_shard))
     fsdp2_plain = os.path.join(folder, f"{api}_{dp}x{tp}_0")  # FSDP2's un-nudged run
@@ -387,7 +412,7 @@ def _grid(rank: int, world: int, folder: str) -> None:
     _launcher_env(rank, world)
     cases = {
         f"{api} {name}": partial(_against_fsdp2, api, dp, tp, folder)
-        for api in ("fabric", "trainer")
+        for api in ("fabric", "fabric_empty_init", "trainer")
         for name, (dp, tp) in MESHES.items()
     }
     cases["fabric fsdp_x_tp clipping over two meshes"] = partial(_fabric_clip_two_meshes, folder)
