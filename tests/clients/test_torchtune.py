@@ -12,10 +12,11 @@ Everything is made in the test's temporary folder, nothing downloaded: a byte-le
 tiktoken file (the 256 bytes, no merges) and a ``tokenizer.json``-style file of Llama 3's
 named special tokens numbered from 256, for torchtune's own ``llama3_tokenizer``; a
 JSON-lines text dataset read by torchtune's ``text_completion_dataset``; a tiny
-``llama3`` (2 layers, width 32, vocabulary 272) saved as the base checkpoint that the
-``FullModelTorchTuneCheckpointer`` loads. The configs keep the shipped ones' defaults
-(AdamW, ``CEWithChunkedOutputLoss``, ``fsdp_reshard_after_forward``, no activation
-checkpointing) but fp32 (the shipped dtype is bf16), the CPU, and the sizes.
+``llama3`` (2 layers, width 32, vocabulary 267: the bytes and 11 special tokens) saved
+as the base checkpoint that the ``FullModelTorchTuneCheckpointer`` loads. The configs
+keep the shipped ones' defaults (fused AdamW, ``CEWithChunkedOutputLoss``,
+``fsdp_reshard_after_forward``, no activation checkpointing) but fp32 (the shipped dtype
+is bf16), the CPU, and the sizes.
 
 Cases:
 
@@ -182,7 +183,7 @@ def _config(kind: str, assets: str, out: str, **overrides):
         "optimizer": {
             "_component_": "torch.optim.AdamW",
             "lr": 1e-2 if kind == "full" else 3e-2,
-            "fused": False,
+            "fused": True,
         },
         "loss": {"_component_": "torchtune.modules.loss.CEWithChunkedOutputLoss"},
         "clip_grad_norm": None,
