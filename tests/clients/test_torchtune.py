@@ -256,13 +256,16 @@ def _apply_cpu_shims() -> None:
 
 
 def _same_lora_init(model, seed: int) -> None:
-    """Shim 3: every ``lora_a`` from one seeded full draw, ``lora_b`` left at zeros."""
+    """Shim 3: every ``lora_a`` from one seeded full draw; ``lora_b`` is checked to hold
+    the recipe's zeros (its ``initialize_parameters`` after ``to_empty`` was seen)."""
     import torch
     from torch.distributed.tensor import DTensor, distribute_tensor
 
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
+            if "lora_b" in name:
+                assert not param.full_tensor().any(), f"{name}: not the recipe's zeros"
             if "lora_a" not in name:
                 continue
             assert isinstance(param, DTensor), name
