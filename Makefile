@@ -27,7 +27,8 @@ lint: $(VENV_STAMP)
 	$(PY) -m ruff format --check .
 	$(PY) -m mypy
 
-# tests/clients (torchtitan, transformers, accelerate, torchao) take minutes each:
+# tests/clients (torchtitan, transformers, accelerate, torchao, Lightning, torchtune) take
+# minutes each:
 # `make test-clients` runs them. `make check` is lint and test.
 test: $(VENV_STAMP)
 	$(PY) -m pytest -q tests --ignore=tests/clients

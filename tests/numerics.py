@@ -122,7 +122,9 @@ def _nudge_(grad: torch.Tensor, gen: torch.Generator, unit: float) -> None:
 @contextmanager
 def nudged_gradients(seed: int, unit: float = U) -> Iterator[None]:
     """Within the block, every optimizer's step first nudges every gradient it is about
-    to read (``_nudge_``), with signs drawn from ``seed``.
+    to read (``_nudge_``), with signs drawn from ``seed``. A step given a ``closure``
+    (PyTorch Lightning's Trainer computes the gradients inside ``step``) nudges them
+    after the closure has made them.
 
     Args:
         seed: the directions.
@@ -131,12 +133,27 @@ def nudged_gradients(seed: int, unit: float = U) -> Iterator[None]:
     """
     gen = torch.Generator(device="cpu").manual_seed(seed)
 
-    def hook(optimizer, args, kwargs):
+    def nudge(optimizer):
         with torch.no_grad():
             for group in optimizer.param_groups:
                 for p in group["params"]:
                     if p.grad is not None:
                         _nudge_(p.grad, gen, unit)
+
+    def hook(optimizer, args, kwargs):  # args: (optimizer, closure?)
+        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
+        if closure is None:
+            nudge(optimizer)
+            return None
+
+        def nudged_closure():
+            loss = closure()
+            nudge(optimizer)
+            return loss
+
+        if "closure" in kwargs:
+            return args, {**kwargs, "closure": nudged_closure}
+        return (optimizer, nudged_closure, *args[2:]), kwargs
 
     handle = register_optimizer_step_pre_hook(hook)
     try:
