@@ -388,8 +388,10 @@ class ParamGroup(GradientPath):
             ref
             for ref in self.refs
             if current[ref.fqn] is not ref.sharded
-            or (registered and not self._holds(ref) and not self._holds_view(current[ref.fqn]))
-        ]  # a subclass parameter holding rows of its own views no storage of ours
+            # materialized apart (a submodule's to_empty), before a load or a forward; a
+            # subclass parameter holding rows of its own views no storage of ours
+            or (not self._holds(ref) and not self._holds_view(current[ref.fqn]))
+        ]
         if not assigned:
             if self.dbuf.shard.is_meta and not registered:  # a load left it on meta: name them
                 self.unloaded = {r.fqn: prefix + r.fqn for r in self.refs}

@@ -241,6 +241,23 @@ def _lora_to_empty_on_meta(fully_shard, rank):
     return _train(model, rank)
 
 
+def _lora_to_empty_then_load_on_meta(fully_shard, rank):
+    """torchtune 0.6.1's order: each submodule of the LoRA layer (the base too) materialized
+    by ``to_empty`` and initialized, then the base weights loaded by an assigning load."""
+    model = _build(fully_shard, device="meta", lora=True)
+    for sub in (model.l1.base, model.l1.lora_a, model.l1.lora_b):
+        sub.to_empty(device="cpu")
+    for k, adapter in enumerate((model.l1.lora_a, model.l1.lora_b)):
+        _fill(adapter.weight, _values(adapter.weight.shape, 40 + k))
+    loaded = {}
+    for k, (name, meta) in enumerate(model.state_dict().items()):
+        if "lora" not in name:
+            full = _values(meta.shape, 30 + k)
+            loaded[name] = nn.Parameter(distribute_tensor(full, meta.device_mesh, meta.placements))
+    model.load_state_dict(loaded, strict=False, assign=True)
+    return _train(model, rank)
+
+
 def _submodule_to_empty_on_cpu(fully_shard, rank):
     """A CPU model whose block's adapter is re-materialized (``to_empty``) and re-initialized
     before the first forward: the new values train, not the old."""
@@ -355,6 +372,7 @@ CASES = {
     "re-assigned parameter, then unshard()": _reassigned_then_unshard,
     "re-assigned from other weights, meta init": _reassigned_from_weights_on_meta,
     "LoRA adapters to_empty after an assigning load, meta init": _lora_to_empty_on_meta,
+    "LoRA layers to_empty, then an assigning load, meta init": _lora_to_empty_then_load_on_meta,
     "submodule to_empty on a CPU model": _submodule_to_empty_on_cpu,
     "state_dict after a forward with reshard_after_forward=False": _state_dict_after_forward,
     "cast_forward_inputs through a dataclass": _dataclass_input,
