@@ -159,7 +159,7 @@ SHAPES = {"a": (70, 45), "stack": (3, 40, 24), "small": (5, 7)}
 
 
 def _run_pair(block_size, grafting, steps=7, hyper=HYPER, row_block=None, **kw):
-    """``row_block=None``: Shampoo's default, ``min(128, block_size)`` rows."""
+    """``row_block=None``: Shampoo's default, ``block_size`` rows (square blocks)."""
     torch.manual_seed(0)
     ref = {n: torch.randn(s) for n, s in SHAPES.items()}
     ours = {n: nn.Parameter(t.clone()) for n, t in ref.items()}
@@ -171,7 +171,7 @@ def _run_pair(block_size, grafting, steps=7, hyper=HYPER, row_block=None, **kw):
         **hyper,
         **kw,
     )
-    rows = min(128, block_size) if row_block is None else row_block
+    rows = block_size if row_block is None else row_block
     state = reference_init(ref, block_size, rows)
     for step in range(steps):
         grads = {n: gradient(n, s, step) for n, s in SHAPES.items()}
@@ -265,7 +265,7 @@ def test_block_policy():
     rows = shampoo_block_policy(64, row_block=8)  # the RaggedShard block is row_block rows
     assert rows("w", nn.Parameter(torch.zeros(96, 260))) == 8
     assert rows("w", nn.Parameter(torch.zeros(260, 96))) == "whole"  # 8 does not divide 260
-    assert shampoo_block_policy().row_block == 128  # the default: min(128, block_size)
+    assert shampoo_block_policy().row_block == 1024  # the default: square blocks
     assert shampoo_block_policy(32).row_block == 32
     with pytest.raises(ValueError, match="ShampooBlockPolicy: block_size must be a positive int"):
         shampoo_block_policy(0)

@@ -1,0 +1,271 @@
+"""Which rank preconditions each Shampoo block, and what travels: pure planning.
+
+[Note: Shampoo block owners]
+A Shampoo block is ``m x n`` (``row_block`` rows by at most ``block_size`` columns of one
+matrix, see [Note: Shampoo blocks on ranks] in ``shampoo.py``); ``fully_shard`` cuts a
+parameter into runs of whole rows, one run per rank of the shard dim. When every block
+lies whole on one rank (``shampoo_block_policy``), that rank is its *owner* and the step
+needs no communication: the *communication-free* mode. Otherwise (any other layout, the
+planner's fine default blocks included) each block gets an owner chosen here, the
+*owner* mode, as distributed Muon roots each matrix (see [Note: Muon roots]):
+
+1. the ranks holding rows of a block (its *holders*) send those rows of the gradient to
+   the owner (one all-to-all for the whole shard group, asynchronous);
+2. the owner keeps the block's statistics, roots and grafting state, updates them and
+   computes the block's grafted, preconditioned direction;
+3. the direction goes back to the holders (a second all-to-all), who apply momentum,
+   weight decay and the update to their rows, element-wise.
+
+The owners are chosen once per shard group, over every Shampoo parameter of the
+optimizer, identically on every rank. Blocks are taken in the global order (parameter,
+then member, row block, column block) and each goes to the least loaded rank (root
+cost ``m^3 + n^3``, then state elements) among the ranks from the previous block's
+owner (of the same parameter) to the block's last holder; ties go to the rank holding
+most of the block (fewer bytes moved), then the lowest rank. The window keeps each
+parameter's owners non-decreasing in block order, which is what lets a parameter's
+state (its owned blocks' matrices concatenated in the global block order) be one 1-D
+``RaggedShard`` DTensor: every rank holds a contiguous run of the global state, in
+rank order, and the global state does not depend on the world size. Its holders keep
+owners near the rows, so a rank sends about its own rows and receives about its own
+blocks: per step, each gradient block travels to its owner once and each direction
+back once, less what the owner already holds.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from raggedfsdp.optim.muon_plan import Exchange
+
+__all__ = [
+    "COMMUNICATION_FREE",
+    "OWNER",
+    "BlockPlace",
+    "OwnerPlan",
+    "ParamRows",
+    "block_state_numel",
+    "plan_owners",
+]
+
+COMMUNICATION_FREE = "communication-free"
+OWNER = "owner"
+
+Block = tuple[int, int, int, int, int]  # (member, r0, r1, c0, c1), rows member-relative
+
+
+def _splits(n: int, size: int) -> list[tuple[int, int]]:
+    return [(a, min(a + size, n)) for a in range(0, n, size)]
+
+
+def block_state_numel(block: Block) -> int:
+    """State elements a block's owner keeps: ``L``, ``R``, their roots and the graft's
+    second moment (``2 m^2 + 2 n^2 + m n``)."""
+    _, r0, r1, c0, c1 = block
+    m, n = r1 - r0, c1 - c0
+    return 2 * m * m + 2 * n * n + m * n
+
+
+@dataclass(frozen=True)
+class ParamRows:
+    """A Shampoo parameter (the piece ``fully_shard`` cuts) and the rows each rank holds.
+
+    Args:
+        members, rows, cols: ``members`` matrices of ``rows x cols`` (1 for a matrix).
+        segments: ``(rank, g0, g1)``: rank ``rank`` holds rows ``[g0, g1)`` of the piece
+            seen as ``(members * rows, cols)``; ranks without rows left out; sorted.
+    """
+
+    members: int
+    rows: int
+    cols: int
+    segments: tuple[tuple[int, int, int], ...]
+
+
+@dataclass(frozen=True)
+class BlockPlace:
+    """One Shampoo block, its owner and its holders.
+
+    Args:
+        block: ``(member, r0, r1, c0, c1)``.
+        owner: the rank that preconditions it.
+        pieces: ``(rank, a, b)``: rank ``rank`` holds rows ``[a, b)`` of the block (rows
+            of the piece seen as ``(members * rows, cols)``), in rank order.
+    """
+
+    block: Block
+    owner: int
+    pieces: tuple[tuple[int, int, int], ...]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        _, r0, r1, c0, c1 = self.block
+        return (r1 - r0, c1 - c0)
+
+    @property
+    def numel(self) -> int:
+        m, n = self.shape
+        return m * n
+
+    def held(self, rank: int) -> int:
+        """Elements of the block that ``rank`` holds."""
+        cols = self.shape[1]
+        return sum((b - a) * cols for r, a, b in self.pieces if r == rank)
+
+
+@dataclass(frozen=True)
+class OwnerPlan:
+    """Owners of every Shampoo block of one shard group, identical on every rank.
+
+    Args:
+        world_size: ranks of the shard dim.
+        mode: ``"communication-free"`` (every block whole on its owner) or ``"owner"``.
+        params: per parameter (in the order given), its blocks in the global order.
+        load: root cost (``m^3 + n^3`` summed) of the blocks each rank owns.
+        state: state elements (``block_state_numel`` summed) each rank keeps.
+    """
+
+    world_size: int
+    mode: str
+    params: tuple[tuple[BlockPlace, ...], ...]
+    load: tuple[int, ...]
+    state: tuple[int, ...]
+
+    def units(self, param: int) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+        """Elements of ``param``'s left (``L`` or its root), right and graft states on each
+        rank: the ``local_units`` of their 1-D ``RaggedShard``."""
+        left, right, graft = [0] * self.world_size, [0] * self.world_size, [0] * self.world_size
+        for place in self.params[param]:
+            m, n = place.shape
+            left[place.owner] += m * m
+            right[place.owner] += n * n
+            graft[place.owner] += m * n
+        return tuple(left), tuple(right), tuple(graft)
+
+    def owned(self, param: int, rank: int) -> list[int]:
+        """Indices (in ``params[param]``) of the blocks ``rank`` owns, in order."""
+        return [i for i, place in enumerate(self.params[param]) if place.owner == rank]
+
+    def traffic(self) -> list[int]:
+        """Elements each rank sends in one step, both all-to-alls (it receives as many: its
+        rows' directions come back, its blocks' rows came in)."""
+        sent = [0] * self.world_size
+        for blocks in self.params:
+            for place in blocks:
+                cols = place.shape[1]
+                for r, a, b in place.pieces:
+                    if place.owner != r:  # r's rows out, their direction back
+                        sent[r] += (b - a) * cols
+                        sent[place.owner] += (b - a) * cols
+        return sent
+
+    def exchanges(self, rank: int, params: Sequence[int]) -> tuple[Exchange, Exchange]:
+        """``(gather, scatter)`` of ``rank`` for the blocks of ``params``: segments are
+        ``(global block id, rank of the piece)``, block ids numbering the blocks of
+        ``params`` in order; per peer in block order."""
+        gather_send: list[list] = [[] for _ in range(self.world_size)]
+        gather_recv: list[list] = [[] for _ in range(self.world_size)]
+        gid = 0
+        for k in params:
+            for place in self.params[k]:
+                for r, _, _ in place.pieces:
+                    if r == place.owner:
+                        continue
+                    if r == rank:
+                        gather_send[place.owner].append((gid, r))
+                    elif place.owner == rank:
+                        gather_recv[r].append((gid, r))
+                gid += 1
+        sizes = {}
+        gid = 0
+        for k in params:
+            for place in self.params[k]:
+                for r, a, b in place.pieces:
+                    sizes[gid, r] = (b - a) * place.shape[1]
+                gid += 1
+        gather, scatter = Exchange(), Exchange()
+        for peer in range(self.world_size):
+            gather.send += gather_send[peer]
+            gather.recv += gather_recv[peer]
+            gather.send_splits.append(sum(sizes[s] for s in gather_send[peer]))
+            gather.recv_splits.append(sum(sizes[s] for s in gather_recv[peer]))
+            scatter.send += gather_recv[peer]  # the direction of each piece, back to it
+            scatter.recv += gather_send[peer]
+        scatter.send_splits = list(gather.recv_splits)
+        scatter.recv_splits = list(gather.send_splits)
+        return gather, scatter
+
+
+def _pieces(p: ParamRows, g0: int, g1: int, starts: list[int]) -> tuple[tuple[int, int, int], ...]:
+    """The ``(rank, a, b)`` holding rows ``[g0, g1)`` of ``p``."""
+    out = []
+    k = max(bisect.bisect_right(starts, g0) - 1, 0)
+    while k < len(p.segments) and p.segments[k][1] < g1:
+        r, a, b = p.segments[k]
+        lo, hi = max(a, g0), min(b, g1)
+        if hi > lo:
+            out.append((r, lo, hi))
+        k += 1
+    return tuple(out)
+
+
+def plan_owners(
+    params: Sequence[ParamRows], world_size: int, block_size: int, row_block: int
+) -> OwnerPlan:
+    """The owner of every block of ``params``: see [Note: Shampoo block owners].
+
+    Args:
+        params: the shard group's Shampoo parameters, in a fixed order.
+        world_size: ranks of the shard dim.
+        block_size, row_block: the Shampoo blocks' columns and rows.
+
+    Raises:
+        ValueError: a parameter whose segments do not cover its rows in order.
+    """
+    places: list[list[tuple[Block, tuple]]] = []
+    whole = True
+    for k, p in enumerate(params):
+        total, at = p.members * p.rows, 0
+        for r, a, b in p.segments:
+            if a != at or b <= a or not 0 <= r < world_size:
+                raise ValueError(
+                    f"plan_owners: parameter {k} has segments {p.segments}, which do not cover "
+                    f"its {total} rows in order on {world_size} ranks"
+                )
+            at = b
+        if at != total:
+            raise ValueError(f"plan_owners: parameter {k} covers {at} of its {total} rows")
+        starts = [a for _, a, _ in p.segments]
+        blocks = []
+        for e in range(p.members):
+            for r0, r1 in _splits(p.rows, row_block):
+                pieces = _pieces(p, e * p.rows + r0, e * p.rows + r1, starts)
+                whole = whole and len(pieces) == 1
+                for c0, c1 in _splits(p.cols, block_size):
+                    blocks.append(((e, r0, r1, c0, c1), pieces))
+        places.append(blocks)
+    load, state = [0] * world_size, [0] * world_size
+    out = []
+    for blocks in places:
+        prev = None  # the previous block's owner: owners never decrease within a parameter
+        placed = []
+        for block, pieces in blocks:
+            _, r0, r1, c0, c1 = block
+            cost = (r1 - r0) ** 3 + (c1 - c0) ** 3
+            if whole:
+                owner = pieces[0][0]
+            else:
+                lo = pieces[0][0] if prev is None else prev
+                held = {r: b - a for r, a, b in pieces}
+                owner = min(
+                    range(lo, max(lo, pieces[-1][0]) + 1),
+                    key=lambda r: (load[r], state[r], -held.get(r, 0), r),
+                )
+            load[owner] += cost
+            state[owner] += block_state_numel(block)
+            placed.append(BlockPlace(block, owner, pieces))
+            prev = owner
+        out.append(tuple(placed))
+    mode = COMMUNICATION_FREE if whole else OWNER
+    return OwnerPlan(world_size, mode, tuple(out), tuple(load), tuple(state))
