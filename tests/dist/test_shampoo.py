@@ -311,30 +311,46 @@ def _piece(full: torch.Tensor, like: DTensor) -> torch.Tensor:
     return ragged_piece(full.shape, like.device_mesh, like.placements).rows(full)
 
 
-def _check_composed(rank, world, mesh_text, ref):
+def _check_composed(rank, world, mesh_text, refs):
     """HSDP ``(replicate 2, shard 2)`` and FSDP x EP ``(dp_mod_ep 2, ep 2)``, sharded by
-    ``parallelize``: every step equals the reference, with no collective in the step (the
-    replicas hold the same rows and step them alike; an expert stack's members split by
-    ep are whole matrices)."""
+    ``parallelize``: every step equals the reference. Under ``shampoo_block_policy`` with
+    no collective in the step (the replicas hold the same rows and step them alike; an
+    expert stack's members split by ep are whole matrices); under the default layout in
+    the owner mode, with two all-to-alls per shard group (the experts' and the rest's
+    under ep), none across the replicate dim."""
     spec = parse_mesh_spec(mesh_text, world)
     mesh = build_mesh(spec)
-    model = _model("moe-tiny")
-    parallelize(model, mesh, spec, block_policy=shampoo_block_policy(BLOCK, row_block=ROW))
-    opt = _optimizer(model)
-    for step in range(STEPS):
-        for name, p in model.named_parameters():
-            local = _piece(gradient(name, p.shape, step), p).clone()
-            p.grad = DTensor.from_local(
-                local, p.device_mesh, p.placements, shape=p.shape, stride=p.stride()
-            )
-        with CommCounter() as comms:
-            opt.step()
-        assert comms.summary() == {}, f"{mesh_text} step {step}: {comms.summary()}"
-        for name, p in model.named_parameters():
-            want = _piece(ref[step][name], p)
-            assert torch.equal(p._local_tensor, want), f"{mesh_text} step {step}: {name}"
+    for mode, ref in refs.items():
+        model = _model("moe-tiny")
+        if mode == "communication-free":
+            policy = shampoo_block_policy(BLOCK, row_block=ROW)
+            parallelize(model, mesh, spec, block_policy=policy)
+            opt = _optimizer(model)
+        else:
+            parallelize(model, mesh, spec)
+            opt = _optimizer(model, row=SQUARE, block=SQUARE)
+        modes = opt.modes()
+        assert set(modes.values()) == {mode}, modes
+        for step in range(STEPS):
+            for name, p in model.named_parameters():
+                local = _piece(gradient(name, p.shape, step), p).clone()
+                p.grad = DTensor.from_local(
+                    local, p.device_mesh, p.placements, shape=p.shape, stride=p.stride()
+                )
+            with CommCounter() as comms:
+                opt.step()
+            got = {k: v.count for k, v in comms.summary().items()}
+            want = {} if mode == "communication-free" else {"all_to_all": 2 * len(modes)}
+            assert got == want, f"{mesh_text} {mode} step {step}: {comms.summary()}"
+            for name, p in model.named_parameters():
+                want_p = _piece(ref[step][name], p)
+                assert torch.equal(p._local_tensor, want_p), f"{mesh_text} {mode} {step}: {name}"
 
 
 @pytest.mark.parametrize("mesh_text", ["replicate=2,shard=2", "ep=2"])
 def test_shampoo_composes_with_hsdp_and_ep(mesh_text):
-    spawn(4, _check_composed, mesh_text, _reference("moe-tiny", "block"), timeout=300)
+    refs = {
+        "communication-free": _reference("moe-tiny", "block"),
+        "owner": _reference("moe-tiny", "block", SQUARE, SQUARE),
+    }
+    spawn(4, _check_composed, mesh_text, refs, timeout=300)
