@@ -252,8 +252,8 @@ def shampoo_cut(p: Tensor, name: str) -> ShampooCut:
         members = int(p.shape[0]) if p.dim() == 3 else 1
         placements = tuple(p.placements) if isinstance(p, DTensor) else None
         mesh = p.device_mesh if isinstance(p, DTensor) else None
-        segments = ((0, 0, members * rows),)
-        return ShampooCut(rows, cols, members, segments, 0, 1, 1, placements, mesh, None)
+        whole = ((0, 0, members * rows),)
+        return ShampooCut(rows, cols, members, whole, 0, 1, 1, placements, mesh, None)
     mesh, placements = p.device_mesh, tuple(p.placements)
     where = f"Shampoo: parameter {name!r} is placed {placements}"
     piece = ragged_piece(tuple(p.shape), mesh, placements)
@@ -278,7 +278,7 @@ def shampoo_cut(p: Tensor, name: str) -> ShampooCut:
     shape = piece.shape
     members = int(shape[0]) if len(shape) == 3 else 1
     row_numel = piece.rs.row_numel(shape)
-    segments = []
+    segments: list[tuple[int, int, int]] = []
     for r in range(piece.rs.world_size):
         lo, hi = piece.rs.local_row_range(shape, r)
         g0, g1 = lo * row_numel // cols, hi * row_numel // cols  # rows of (members*rows, cols)

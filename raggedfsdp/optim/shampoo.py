@@ -543,7 +543,7 @@ class _OwnerStep:
         self.gather, self.scatter = gp.exchanges[ks]
         # block ids as the exchanges number them: the blocks of ``work``'s parameters
         self.blocks = [(w, i) for w in work for i in range(len(gp.plan.params[w.k]))]
-        self.first_id = {}
+        self.first_id: dict[int, int] = {}  # parameter -> its first block's id
         for gid, (w, _) in enumerate(self.blocks):
             self.first_id.setdefault(w.k, gid)
         dtypes = {w.g.dtype for w in work}
