@@ -8,9 +8,9 @@ preconditions which block is ``_shampoo_owners``'.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -19,7 +19,13 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from raggedfsdp.fsdp import BlockPolicy, BlockRows
 from raggedfsdp.optim._muon_policy import default_use_muon
-from raggedfsdp.planner import WHOLE
+from raggedfsdp.planner import (
+    DEFAULT_ALIGNMENT_BYTES,
+    DEFAULT_MAX_BUFFERS,
+    WHOLE,
+    TensorSpec,
+    plan_buffers,
+)
 from raggedfsdp.tensor import ragged_piece
 from raggedfsdp.tensor.placement import RaggedShard
 
@@ -27,12 +33,14 @@ __all__ = [
     "DEFAULT_BLOCK_SIZE",
     "ShampooBlockPolicy",
     "ShampooCut",
+    "ShampooLayoutChoice",
     "block_rows_for",
     "blocks_of",
     "member_view",
     "resolve_row_block",
     "root_cost",
     "rows_view",
+    "shampoo_auto_policy",
     "shampoo_block_policy",
     "shampoo_cut",
 ]
@@ -161,6 +169,106 @@ def shampoo_block_policy(
         use_shampoo=use_shampoo,
         base=base if base is not None else BlockPolicy(),
     )
+
+
+@dataclass(frozen=True)
+class ShampooLayoutChoice:
+    """The layout ``shampoo_auto_policy`` chose, and why.
+
+    Args:
+        policy: the block policy to pass to ``fully_shard``.
+        mode: ``"communication-free"`` (``shampoo_block_policy``: every block whole on a
+            rank) or ``"owner"`` (the base policy: blocks go to owner ranks).
+        numel: elements of every group.
+        padding_free, padding_base: padding elements of every group under
+            ``shampoo_block_policy`` and under the base policy.
+    """
+
+    policy: Callable[[str, nn.Parameter], BlockRows]
+    mode: str
+    numel: int
+    padding_free: int
+    padding_base: int
+
+
+def shampoo_auto_policy(
+    model: nn.Module,
+    world_size: int,
+    *,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    row_block: int | None = None,
+    whole_matrices: bool = False,
+    base: BlockPolicy | None = None,
+    max_extra_padding: float = 0.01,
+    modules: Iterable[nn.Module] | None = None,
+    use_shampoo: Callable[[str, Tensor], bool] = default_use_muon,
+    max_buffers: int = DEFAULT_MAX_BUFFERS,
+    alignment_bytes: int = DEFAULT_ALIGNMENT_BYTES,
+) -> ShampooLayoutChoice:
+    """Shampoo's communication-free layout where it is cheap, else the base layout (owner
+    mode): see [Note: Shampoo block owners] in ``_shampoo_owners.py``.
+
+    Every group ``fully_shard`` will make is planned twice (as ``fully_shard`` plans it,
+    no tensor allocated): with ``shampoo_block_policy`` and with ``base``. The first is
+    chosen when its padding exceeds the second's by at most ``max_extra_padding`` of the
+    elements (always under ``whole_matrices``, which ``grafting="parameter"`` needs).
+
+    Args:
+        model: the model, before ``fully_shard`` (it may be on ``meta``).
+        world_size: ranks of the shard dim.
+        block_size, row_block, whole_matrices, use_shampoo: as ``shampoo_block_policy``.
+        base: the policy of every parameter in the owner mode, and of the non-Shampoo
+            ones in both. Default ``BlockPolicy()``.
+        max_extra_padding: padding the communication-free layout may add, as a share of
+            the elements. Default 0.01.
+        modules: the modules ``fully_shard`` will be applied to, bottom-up. Default:
+            ``model.transformer_blocks()`` (if it has them), then ``model``.
+        max_buffers, alignment_bytes: as passed to ``fully_shard``.
+    """
+    base = base if base is not None else BlockPolicy()
+    free = shampoo_block_policy(
+        block_size,
+        row_block=row_block,
+        whole_matrices=whole_matrices,
+        use_shampoo=use_shampoo,
+        base=base,
+    )
+    if modules is None:
+        has_blocks = hasattr(model, "transformer_blocks")  # raggedfsdp's models define it
+        blocks = cast(Any, model).transformer_blocks() if has_blocks else []
+        modules = [*blocks, model]
+    claimed: set[int] = set()
+    numel = padding_free = padding_base = 0
+    for mod in modules:
+        group = [(n, p) for n, p in mod.named_parameters() if id(p) not in claimed]
+        claimed.update(id(p) for _, p in group)
+        if not group:
+            continue
+        dtype = group[0][1].dtype
+        plans = []
+        for policy in (free, base):
+            specs = [
+                TensorSpec(
+                    name=n, shape=tuple(p.shape), block_rows=policy(n, p), stack=p.dim() >= 3
+                )
+                for n, p in group
+            ]
+            plans.append(
+                plan_buffers(
+                    specs,
+                    world_size,
+                    max_buffers=max_buffers,
+                    dtype=dtype,
+                    alignment_bytes=alignment_bytes,
+                )
+            )
+        numel += plans[1].total_numel
+        padding_free += plans[0].padding
+        padding_base += plans[1].padding
+    cheap = padding_free <= padding_base + max_extra_padding * numel
+    if whole_matrices or cheap:
+        return ShampooLayoutChoice(free, "communication-free", numel, padding_free, padding_base)
+    return ShampooLayoutChoice(base, "owner", numel, padding_free, padding_base)
 
 
 def _check_block_size(where: str, size) -> None:

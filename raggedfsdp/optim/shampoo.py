@@ -66,11 +66,13 @@ from raggedfsdp.optim._shampoo_layout import (
     DEFAULT_BLOCK_SIZE,
     ShampooBlockPolicy,
     ShampooCut,
+    ShampooLayoutChoice,
     blocks_of,
     member_view,
     resolve_row_block,
     root_cost,
     rows_view,
+    shampoo_auto_policy,
     shampoo_block_policy,
     shampoo_cut,
 )
@@ -92,10 +94,12 @@ __all__ = [
     "OwnerPlan",
     "Shampoo",
     "ShampooBlockPolicy",
+    "ShampooLayoutChoice",
     "ShampooStepStats",
     "blocks_of",
     "inverse_root",
     "root_cost",
+    "shampoo_auto_policy",
     "shampoo_block_policy",
 ]
 

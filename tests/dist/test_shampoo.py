@@ -19,6 +19,7 @@ reference's per-block ops on the same values (see [Note: Shampoo blocks on ranks
 from __future__ import annotations
 
 import functools
+import json
 from functools import partial
 
 import pytest
@@ -295,15 +296,21 @@ def test_shampoo_checkpoint_reshards(tmp_path):
 
 
 def test_train_shampoo_resumes_bitwise(tmp_path):
-    """``train --optim shampoo``: a run split by a checkpoint gives the uninterrupted losses."""
+    """``train --optim shampoo`` with its flags: a run split by a checkpoint gives the
+    uninterrupted losses, preconditioning from step 2 with roots every 2 steps; the
+    summary names the mode (moe-tiny's square 16 blocks are whole on 2 ranks at no cost)."""
     from tests.dist.test_train import COMMON, _losses
 
     argv = [*COMMON[: COMMON.index("--optim")], "--optim", "shampoo", "--no-progress", "--no-plot"]
+    argv += ["--shampoo-block-size", "16", "--start-preconditioning-step", "2"]
+    argv += ["--precondition-frequency", "2", "--shampoo-root-dtype", "float64"]
     whole, split = tmp_path / "whole", tmp_path / "split"
     train_cli([*argv, "--out", str(whole)])
     train_cli([*argv, "--out", str(split), "--ckpt-every", "100", "--stop-after", "3"])
     train_cli([*argv, "--out", str(split), "--ckpt-every", "100", "--resume"])
     assert _losses(whole) == _losses(split)
+    summary = json.loads((whole / "summary.json").read_text())
+    assert summary["shampoo_mode"] == "communication-free"
 
 
 def _piece(full: torch.Tensor, like: DTensor) -> torch.Tensor:

@@ -345,3 +345,40 @@ def test_train_refusals(argv, match, capsys, tmp_path):
     assert exit_.value.code == 2
     assert re.search(match, capsys.readouterr().err)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (["--shampoo-block-size", "64"], r"--shampoo-block-size applies to --optim shampoo only"),
+        (["--optim", "shampoo", "--shampoo-block-size", "0"], r"--shampoo-block-size must be >= 1"),
+        (
+            ["--optim", "shampoo", "--shampoo-block-size", "16", "--shampoo-row-block", "32"],
+            r"--shampoo-row-block must be in \[1, --shampoo-block-size 16\]",
+        ),
+        (
+            ["--optim", "shampoo", "--start-preconditioning-step", "0"],
+            r"--start-preconditioning-step must be >= 1",
+        ),
+    ],
+)
+def test_train_shampoo_flags_refused(argv, match, capsys, tmp_path):
+    from raggedfsdp.cli.train import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main([*argv, "--max-bytes", "100000", "--out", str(tmp_path / "out")])
+    assert exit_.value.code == 2
+    assert re.search(match, capsys.readouterr().err)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("steps, said", [(5, True), (20, False)])
+def test_train_says_when_shampoo_never_preconditions(steps, said, capsys, tmp_path):
+    """A run shorter than the first preconditioned step (20 by default) is told so."""
+    from raggedfsdp.cli.train import main
+
+    argv = ["--optim", "shampoo", "--steps", str(steps), "--max-bytes", "100000"]
+    assert main([*argv, "--out", str(tmp_path / "out")], launch=lambda args: 0) == 0
+    err = capsys.readouterr().err
+    note = f"the run has {steps} steps, fewer than the first preconditioned step 20"
+    assert (note in err) == said, err
