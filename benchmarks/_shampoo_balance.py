@@ -166,7 +166,7 @@ def owner_costs(model: str, world: int, size: int) -> dict:
         stats=stats,
         numel=numel,
         mode=plan.mode,
-        plan=plan,
+        plan=plan,  # for inspection
     )
 
 

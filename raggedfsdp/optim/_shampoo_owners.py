@@ -49,6 +49,7 @@ __all__ = [
     "plan_owners",
 ]
 
+_CHAIN_HOPS = 16  # longest chain of moves ``_repair`` looks for
 _SLACK_PERCENT = 5  # root cost a rank may take beyond the mean before load decides alone
 COMMUNICATION_FREE = "communication-free"
 OWNER = "owner"
@@ -58,6 +59,12 @@ Block = tuple[int, int, int, int, int]  # (member, r0, r1, c0, c1), rows member-
 
 def _splits(n: int, size: int) -> list[tuple[int, int]]:
     return [(a, min(a + size, n)) for a in range(0, n, size)]
+
+
+def root_cost_of(block: Block) -> int:
+    """``m^3 + n^3``: the two eigendecompositions of an ``m x n`` block's roots."""
+    _, r0, r1, c0, c1 = block
+    return (r1 - r0) ** 3 + (c1 - c0) ** 3
 
 
 def block_state_numel(block: Block) -> int:
@@ -218,12 +225,17 @@ def _columns(blocks: list) -> int:
 
 
 def _pick(
-    row: list, pieces: tuple, cap: int, load: list[int], sent: list[int], state: list[int]
+    row: list,
+    held: dict[int, int],
+    cap: int,
+    load: list[int],
+    sent: list[int],
+    state: list[int],
 ) -> list[int]:
-    """Owners of one row block's column blocks, among its holders; see [Note: Shampoo
-    block owners]. Owning an ``m x n`` block of which it holds ``h`` elements changes
-    what a rank sends by ``m n - 2 h``. Returned sorted, so they never decrease."""
-    held = {r: b - a for r, a, b in pieces}
+    """Owners of one row block's column blocks among its holders (``held``: the rows each
+    holds); see [Note: Shampoo block owners]. Owning an ``m x n`` block of which
+    it holds ``h`` elements changes what a rank sends by ``m n - 2 h``. Returned sorted,
+    so they never decrease."""
     extra: dict[int, tuple[int, int, int]] = {}
     owners = []
     for block, _ in row:
@@ -234,15 +246,82 @@ def _pick(
         def key(r: int, m=m, n=n, cost=cost) -> tuple:
             x = extra.get(r, (0, 0, 0))
             after = load[r] + x[0] + cost
-            moved = m * n - 2 * held[r] * n
-            return (max(after, cap), sent[r] + x[1] + moved, after, state[r] + x[2], -held[r], r)
+            h = held.get(r, 0)
+            moved = m * n - 2 * h * n
+            if after > cap:  # over the cap: the least loaded
+                return (1, after, h == 0, sent[r] + x[1] + moved, state[r] + x[2], -h, r)
+            # within it: a holder, then the least sent (balancing the bytes), ...
+            return (0, h == 0, sent[r] + x[1] + moved, after, state[r] + x[2], -h, r)
 
         owner = min(held, key=key)
         x = extra.get(owner, (0, 0, 0))
-        moved = m * n - 2 * held[owner] * n
+        moved = m * n - 2 * held.get(owner, 0) * n
         extra[owner] = (x[0] + cost, x[1] + moved, x[2] + block_state_numel(block))
         owners.append(owner)
     return sorted(owners)
+
+
+def _repair(places, rows, owners, cap, load, sent, state) -> None:
+    """Shift blocks off ranks loaded over ``cap``, along chains of holders: rank ``r``
+    gives a block to a co-holder ``q``, which gives one of the same cost to its own
+    co-holder, and so on to a rank that stays within ``cap`` (a breadth-first search,
+    shortest chain first). Owners stay holders, so a parameter's owners still never
+    decrease once each row block's are sorted again. Deterministic: every rank repairs
+    alike."""
+    mine: dict[int, dict[tuple[int, int], None]] = {}  # rank -> its blocks (insertion order)
+    for k, i, n in rows:
+        for j in range(i, i + n):
+            mine.setdefault(owners[k][j], {})[k, j] = None
+
+    def move(ref: tuple[int, int], src: int, dst: int) -> None:
+        k, j = ref
+        block, pieces = places[k][j]
+        cols = block[4] - block[3]
+        held = {q: b - a for q, a, b in pieces}
+        for x, sign in ((src, -1), (dst, 1)):
+            load[x] += sign * root_cost_of(block)
+            state[x] += sign * block_state_numel(block)
+            sent[x] += sign * ((block[2] - block[1]) * cols - 2 * held.get(x, 0) * cols)
+        del mine[src][ref]
+        mine.setdefault(dst, {})[ref] = None
+        owners[k][j] = dst
+
+    def chain(r: int, cost: int) -> list | None:
+        """Shortest chain of moves of blocks of ``cost`` from ``r`` to a rank with room."""
+        back: dict[int, tuple[int, tuple[int, int]] | None] = {r: None}
+        frontier = [r]
+        for _ in range(_CHAIN_HOPS):
+            nxt = []
+            for x in frontier:
+                for ref in mine.get(x, {}):
+                    block, pieces = places[ref[0]][ref[1]]
+                    if root_cost_of(block) != cost:
+                        continue
+                    for q, _, _ in pieces:
+                        if q in back:
+                            continue
+                        back[q] = (x, ref)
+                        if load[q] + cost <= cap:
+                            path, y = [], q
+                            while back[y] is not None:
+                                x0, ref0 = back[y]  # type: ignore[misc]
+                                path.append((ref0, x0, y))
+                                y = x0
+                            return path
+                        nxt.append(q)
+            frontier = nxt
+        return None
+
+    for r in sorted(mine, key=lambda r: (-load[r], r)):
+        while load[r] > cap:
+            costs = sorted({root_cost_of(places[k][j][0]) for k, j in mine[r]}, reverse=True)
+            path = next((p for c in costs if (p := chain(r, c)) is not None), None)
+            if path is None:
+                break
+            for ref, src, dst in path:
+                move(ref, src, dst)
+    for k, i, n in rows:  # each row block's owners in order again
+        owners[k][i : i + n] = sorted(owners[k][i : i + n])
 
 
 def plan_owners(
@@ -297,17 +376,24 @@ def plan_owners(
     for k, i, n in rows:
         row = places[k][i : i + n]
         pieces = row[0][1]
-        picks = [pieces[0][0]] * n if whole else _pick(row, pieces, cap, load, sent, state)
         held = {r: b - a for r, a, b in pieces}
+        picks = [pieces[0][0]] * n if whole else _pick(row, held, cap, load, sent, state)
         for j, ((block, _), owner) in enumerate(zip(row, picks)):
             _, r0, r1, c0, c1 = block
             load[owner] += (r1 - r0) ** 3 + (c1 - c0) ** 3
             state[owner] += block_state_numel(block)
-            sent[owner] += (r1 - r0) * (c1 - c0) - 2 * held[owner] * (c1 - c0)
+            sent[owner] += (r1 - r0) * (c1 - c0) - 2 * held.get(owner, 0) * (c1 - c0)
             owners[k][i + j] = owner
+    if not whole:
+        _repair(places, rows, owners, cap, load, sent, state)
     out = tuple(
         tuple(BlockPlace(block, owner, pieces) for (block, pieces), owner in zip(blocks, own))
         for blocks, own in zip(places, owners)
     )
+    load, state = [0] * world_size, [0] * world_size  # as placed (sorting moved some)
+    for blocks in out:
+        for place in blocks:
+            load[place.owner] += root_cost_of(place.block)
+            state[place.owner] += block_state_numel(place.block)
     mode = COMMUNICATION_FREE if whole else OWNER
     return OwnerPlan(world_size, mode, out, tuple(load), tuple(state))
