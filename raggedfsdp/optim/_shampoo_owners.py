@@ -17,18 +17,28 @@ planner's fine default blocks included) each block gets an owner chosen here, th
    weight decay and the update to their rows, element-wise.
 
 The owners are chosen once per shard group, over every Shampoo parameter of the
-optimizer, identically on every rank. Blocks are taken in the global order (parameter,
-then member, row block, column block) and each goes to the least loaded rank (root
-cost ``m^3 + n^3``, then state elements) among the ranks from the previous block's
-owner (of the same parameter) to the block's last holder; ties go to the rank holding
-most of the block (fewer bytes moved), then the lowest rank. The window keeps each
-parameter's owners non-decreasing in block order, which is what lets a parameter's
-state (its owned blocks' matrices concatenated in the global block order) be one 1-D
-``RaggedShard`` DTensor: every rank holds a contiguous run of the global state, in
-rank order, and the global state does not depend on the world size. Its holders keep
-owners near the rows, so a rank sends about its own rows and receives about its own
-blocks: per step, each gradient block travels to its owner once and each direction
-back once, less what the owner already holds.
+optimizer, identically on every rank, and always among a block's holders:
+
+- a parameter's state (its owned blocks' matrices concatenated in the global block
+  order) is one 1-D ``RaggedShard`` DTensor only if every rank holds one contiguous run
+  of it, in rank order: a parameter's owners must never decrease in block order.
+  Holders do that by themselves: a later row block's holders are never lower ranks than
+  an earlier one's, so owners picked among holders (sorted within a row block) keep
+  every parameter's owners in order, whatever order the row blocks are planned in;
+- a holder already has some of the block's rows: the fewer bytes move.
+
+Row blocks (all column blocks of ``row_block`` rows share their holders) are planned
+fewest holders first (a block whole on one rank has no choice). Each column block goes
+to the holder that stays within the *cap*, 5% over the mean root cost (``m^3 + n^3``) per
+rank, while sending the fewest elements per step (owning an ``m x n`` block of which it
+holds ``h`` elements changes what a rank sends by ``m n - 2 h``); when every holder would
+pass the cap, to the least loaded. Then ranks still over the cap hand blocks on along
+chains of holders (``r`` gives a block to a co-holder ``q``, which gives one of the same
+cost to its own co-holder, ..., until a rank with room; the shortest chain first). Ties
+go to the lowest rank. A rank thus sends about its own rows and receives about its own
+blocks: per step each gradient block travels to its owner once and each direction back
+once, less what the owner already holds. ``benchmarks/_shampoo_balance.py --owner``
+measures balance, state and bytes at the catalogue's shapes (results: ``optim.md``).
 """
 
 from __future__ import annotations
