@@ -29,8 +29,9 @@ optimizer, identically on every rank, and always among a block's holders:
 
 Row blocks (all column blocks of ``row_block`` rows share their holders) are planned
 fewest holders first (a block whole on one rank has no choice). Each column block goes
-to the holder that stays within the *cap*, 5% over the mean root cost (``m^3 + n^3``) per
-rank, while sending the fewest elements per step (owning an ``m x n`` block of which it
+to the holder that stays within the *cap* (5% over the mean root cost, ``m^3 + n^3``,
+per rank, or the load that the largest blocks spread evenly leave on some rank, if
+more), while sending the fewest elements per step (owning an ``m x n`` block of which it
 holds ``h`` elements changes what a rank sends by ``m n - 2 h``); when every holder would
 pass the cap, to the least loaded. Then ranks still over the cap hand blocks on along
 chains of holders (``r`` gives a block to a co-holder ``q``, which gives one of the same
@@ -374,8 +375,14 @@ def plan_owners(
         for (_, _, _, c0, c1), pieces in blocks:
             for r, a, b in pieces:
                 sent[r] += (b - a) * (c1 - c0)
-    total = sum((b[2] - b[1]) ** 3 + (b[4] - b[3]) ** 3 for blocks in places for b, _ in blocks)
-    cap = (total * (100 + _SLACK_PERCENT)) // (100 * world_size)  # loads up to it count alike
+    costs = [root_cost_of(b) for blocks in places for b, _ in blocks]
+    total, largest = sum(costs), max(costs, default=1)
+    # loads up to the cap count alike: 5% over the mean, or what the largest blocks,
+    # spread evenly, put on some rank anyway
+    cap = max(
+        total * (100 + _SLACK_PERCENT) // (100 * world_size),
+        largest * -(-total // (largest * world_size)),
+    )
     owners: list[list[int]] = [[0] * len(blocks) for blocks in places]
     rows = []  # (param, first block, column blocks): one row block's column blocks
     for k, blocks in enumerate(places):
@@ -401,9 +408,9 @@ def plan_owners(
         for blocks, own in zip(places, owners)
     )
     load, state = [0] * world_size, [0] * world_size  # as placed (sorting moved some)
-    for blocks in out:
-        for place in blocks:
-            load[place.owner] += root_cost_of(place.block)
-            state[place.owner] += block_state_numel(place.block)
+    for placed in out:
+        for done in placed:
+            load[done.owner] += root_cost_of(done.block)
+            state[done.owner] += block_state_numel(done.block)
     mode = COMMUNICATION_FREE if whole else OWNER
     return OwnerPlan(world_size, mode, out, tuple(load), tuple(state))

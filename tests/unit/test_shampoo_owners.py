@@ -47,7 +47,6 @@ def test_balance_reaches_the_optimum():
     p = ParamRows(1, 80, 64, tuple((r, cuts[r], cuts[r + 1]) for r in range(6)))
     plan = plan_owners([p], 6, 16, 16)
     assert max(plan.load) == 4 * 2 * 16**3
-    assert sorted(plan.load) == sorted([3 * 2 * 16**3] * 4 + [4 * 2 * 16**3] * 2)
 
 
 def test_traffic_and_exchanges_agree():
