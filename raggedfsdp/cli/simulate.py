@@ -338,7 +338,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--layers", type=int, default=2, help="transformer blocks (default 2)")
     p.add_argument("--system", choices=(*SYSTEMS, "both"), default="both")
-    p.add_argument("--optim", choices=("adamw", "none"), default="adamw")
+    p.add_argument("--optim", choices=("adamw", "shampoo", "none"), default="adamw")
     p.add_argument("--mp", choices=("bf16", "fp32"), default="bf16")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--seq", type=int, default=4096)
