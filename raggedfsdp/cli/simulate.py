@@ -381,6 +381,11 @@ def _configs(args: argparse.Namespace) -> list[SimConfig]:
             f"a sweep (--world {','.join(map(str, worlds))}) compares both systems; drop "
             f"--system {args.system}"
         )
+    if args.optim == "shampoo" and args.system != "raggedfsdp":
+        raise ValueError(
+            "--optim shampoo steps raggedfsdp's RaggedShard parameters only (FSDP2's Shard(0) "
+            "would cut its blocks); pass --system raggedfsdp"
+        )
     systems = SYSTEMS if args.system == "both" else (args.system,)
     return [
         SimConfig(

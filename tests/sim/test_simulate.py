@@ -203,6 +203,7 @@ def test_cli_json():
         ),
         (["--mesh", "replicate=0,shard=4"], "the size of 'replicate' must be an int"),
         (["--time-shard", "--png", "x.png"], "--png draws a simulated step"),
+        (["--optim", "shampoo"], r"--optim shampoo steps raggedfsdp's .* --system raggedfsdp"),
     ],
 )
 def test_cli_mesh_errors_come_before_any_work(capsys, argv, match):
