@@ -382,3 +382,15 @@ def test_train_says_when_shampoo_never_preconditions(steps, said, capsys, tmp_pa
     err = capsys.readouterr().err
     note = f"the run has {steps} steps, fewer than the first preconditioned step 20"
     assert (note in err) == said, err
+
+
+def test_plain_tensors_are_communication_free_and_groups_fixed_once_planned():
+    """Parameters whole on every rank: one group, communication-free; once the owners are
+    planned (a step, or ``modes()``), a new Shampoo group would move them: refused."""
+    w, v = nn.Parameter(torch.randn(40, 24)), nn.Parameter(torch.randn(3, 8, 8))
+    opt = Shampoo([{"params": [w, v], "use_shampoo": True}], block_size=16)
+    assert opt.modes() == {"": "communication-free"}
+    assert [len(b) for b in opt.plan_of("").params] == [3 * 2, 3]  # 40 x 24, 3 x (8 x 8)
+    with pytest.raises(NotImplementedError, match=r"add_param_group after the first step"):
+        opt.add_param_group({"params": [nn.Parameter(torch.zeros(4, 4))], "use_shampoo": True})
+    opt.add_param_group({"params": [nn.Parameter(torch.zeros(4))], "use_shampoo": False})
