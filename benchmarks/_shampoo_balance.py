@@ -2,6 +2,8 @@
 
     .venv/bin/python benchmarks/_shampoo_balance.py [--block-size 1024]
         [--row-blocks 1024 128 32 8] [--worlds 64 256 1024] [--models ...]
+    .venv/bin/python benchmarks/_shampoo_balance.py --owner [--worlds 256 1024 16384]
+        [--models llama3-8b llama3-70b deepseek-v3]
 
 Every model of ``REAL_MODELS`` is planned as ``train`` shards it (one ``fully_shard``
 group per embedding, block and head; bf16, 128-byte alignment, up to ``fully_shard``'s
@@ -12,6 +14,16 @@ two eigendecompositions of an ``m x n`` block); the table prints the most loaded
 over the mean, the padding the policy costs, the model's total root cost over that of
 square ``block_size`` blocks, and the Shampoo statistics (``L``, ``R``, their roots)
 per Shampoo parameter element. No tensor is allocated and no process group is made.
+
+``--owner`` compares, per model and world size, the communication-free mode (the
+layout of ``shampoo_block_policy``: the old default 128 x 1024 blocks and square
+``block_size`` blocks) with the owner mode (``fully_shard``'s default 1-row blocks, square
+blocks, owners from ``plan_owners`` over every Shampoo parameter of the model, as
+``Shampoo`` plans them; see [Note: Shampoo block owners]). Besides balance, padding and
+statistics it prints the state each rank keeps (``L``, ``R``, roots and the graft's
+second moment; the most loaded rank over the mean) and the elements a rank sends per
+step in both all-to-alls, over the Shampoo gradient elements per rank (the mean rank's
+and the busiest rank's; it receives as many).
 """
 
 from __future__ import annotations
@@ -22,10 +34,17 @@ import sys
 import torch
 from torch import nn
 
+from raggedfsdp.fsdp import BlockPolicy
 from raggedfsdp.models import get_config, param_groups
 from raggedfsdp.models.catalogue import REAL_MODELS
 from raggedfsdp.optim.muon import default_use_muon
-from raggedfsdp.optim.shampoo import blocks_of, root_cost, shampoo_block_policy
+from raggedfsdp.optim.shampoo import (
+    ParamRows,
+    blocks_of,
+    plan_owners,
+    root_cost,
+    shampoo_block_policy,
+)
 from raggedfsdp.planner import DEFAULT_MAX_BUFFERS, TensorSpec, plan_buffers
 
 
@@ -78,15 +97,165 @@ def rank_costs(model: str, world: int, size: int, row_block: int) -> dict:
     return dict(load=load, pad=pad / total, cost=cost, stats=stats, numel=numel)
 
 
+def _rows_by_rank(t, layout, members: int, rows: int, cols: int) -> tuple:
+    """``(rank, g0, g1)`` segments of a tensor's rows (of ``(members * rows, cols)``) as
+    ``layout`` cuts them (whole rows on a rank: 1-row or larger blocks)."""
+    S = layout.shard_size
+    stride = t.member_stride if t.members == members else rows * cols
+    segments: list[list[int]] = []
+    for e in range(members):
+        start = t.offset + e * stride  # the member's first element in the buffer
+        for k in range(start // S, (start + rows * cols - 1) // S + 1):
+            lo = max(0, -(-(k * S - start) // cols))
+            hi = min(rows, -(-((k + 1) * S - start) // cols))
+            if hi <= lo:
+                continue
+            g0, g1 = e * rows + lo, e * rows + hi
+            if segments and segments[-1][0] == k and segments[-1][2] == g0:
+                segments[-1][2] = g1
+            else:
+                segments.append([k, g0, g1])
+    return tuple(tuple(x) for x in segments)
+
+
+def owner_costs(model: str, world: int, size: int) -> dict:
+    """The owner mode with square ``size`` blocks on ``fully_shard``'s default layout."""
+    base = BlockPolicy()
+    pad = total = 0
+    params: list[ParamRows] = []
+    cache: dict = {}
+    for g in param_groups(get_config(model)):
+        key = tuple((p.shape, p.stack) for p in g.params)
+        if key not in cache:
+            specs = [
+                TensorSpec(
+                    name=p.fqn,
+                    shape=p.shape,
+                    stack=p.stack,
+                    block_rows=base(p.fqn, nn.Parameter(torch.empty(p.shape, device="meta"))),
+                )
+                for p in g.params
+            ]
+            plan = plan_buffers(specs, world, dtype="bfloat16", max_buffers=DEFAULT_MAX_BUFFERS)
+            layout_of = {q.name: lay for lay in plan.layouts for q in lay.tensors}
+            rows_of = []
+            for p in g.params:
+                if not _is_shampoo(p):
+                    continue
+                members = p.shape[0] if len(p.shape) == 3 else 1
+                rows, cols = p.shape[-2], p.shape[-1]
+                layout = layout_of[p.fqn]
+                segments = _rows_by_rank(layout[p.fqn], layout, members, rows, cols)
+                rows_of.append(ParamRows(members, rows, cols, segments))
+            cache[key] = (rows_of, plan.padding, plan.total_numel)
+        rows_of, p_pad, p_total = cache[key]
+        params += rows_of
+        pad, total = pad + p_pad, total + p_total
+    plan = plan_owners(params, world, size, size)
+    numel = sum(p.members * p.rows * p.cols for p in params)
+    stats = sum(
+        2 * ((b.block[2] - b.block[1]) ** 2 + (b.block[4] - b.block[3]) ** 2)
+        for blocks in plan.params
+        for b in blocks
+    )
+    return dict(
+        load=list(plan.load),
+        state=list(plan.state),
+        sent=plan.traffic(),
+        pad=pad / total,
+        stats=stats,
+        numel=numel,
+        mode=plan.mode,
+        plan=plan,  # for inspection
+    )
+
+
+def free_state(model: str, world: int, size: int, row_block: int) -> list[int]:
+    """State elements (``L``, ``R``, roots, graft moment) per rank in the communication-free
+    mode: each block's on the rank holding it."""
+    policy = shampoo_block_policy(size, row_block=row_block)
+    state = [0] * world
+    for g in param_groups(get_config(model)):
+        specs = [
+            TensorSpec(
+                name=p.fqn,
+                shape=p.shape,
+                stack=p.stack,
+                block_rows=policy(p.fqn, nn.Parameter(torch.empty(p.shape, device="meta"))),
+            )
+            for p in g.params
+        ]
+        plan = plan_buffers(specs, world, dtype="bfloat16", max_buffers=DEFAULT_MAX_BUFFERS)
+        layout_of = {q.name: lay for lay in plan.layouts for q in lay.tensors}
+        for p in g.params:
+            if not _is_shampoo(p):
+                continue
+            members = p.shape[0] if len(p.shape) == 3 else 1
+            rows, cols = p.shape[-2], p.shape[-1]
+            layout = layout_of[p.fqn]
+            t = layout[p.fqn]
+            stride = t.member_stride if t.members == members else rows * cols
+            for e, r0, r1, c0, c1 in blocks_of(members, rows, cols, size, row_block):
+                first = t.offset + e * stride + r0 * cols
+                m, n = r1 - r0, c1 - c0
+                state[first // layout.shard_size] += 2 * m * m + 2 * n * n + m * n
+    return state
+
+
+def main_owner(args) -> None:
+    size = args.block_size
+    print(
+        f"\nShampoo elements per rank = the model's Shampoo elements / ranks; comm = elements a "
+        "rank sends per step (both all-to-alls) over that; state = L, R, roots and graft "
+        f"moment; blocks {size} x {size} unless named\n"
+    )
+    print(
+        "| model | ranks | mode | padding | root cost, most loaded / mean | stats / elem "
+        "| state, most loaded / mean | comm / grad, mean | comm / grad, max |"
+    )
+    print("| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for model in args.models:
+        for world in args.worlds:
+            for row_block, label in (
+                (128, f"communication-free, 128 x {size}"),
+                (size, "communication-free"),
+            ):
+                r = rank_costs(model, world, size, row_block)
+                state = free_state(model, world, size, row_block)
+                load = r["load"]
+                print(
+                    f"| {model} | {world} | {label} | {100 * r['pad']:.2f}% "
+                    f"| {max(load) / (sum(load) / world):.2f} | {r['stats'] / r['numel']:.2f} "
+                    f"| {max(state) / (sum(state) / world):.2f} | 0 | 0 |",
+                    flush=True,
+                )
+            r = owner_costs(model, world, size)
+            load, state, sent = r["load"], r["state"], r["sent"]
+            share = r["numel"] / world
+            print(
+                f"| {model} | {world} | {r['mode']} | {100 * r['pad']:.2f}% "
+                f"| {max(load) / (sum(load) / world):.2f} | {r['stats'] / r['numel']:.2f} "
+                f"| {max(state) / (sum(state) / world):.2f} "
+                f"| {sum(sent) / world / share:.2f} | {max(sent) / share:.2f} |",
+                flush=True,
+            )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--block-size", type=int, default=1024)
     parser.add_argument("--row-blocks", type=int, nargs="+", default=[1024, 128, 32, 8])
     parser.add_argument("--worlds", type=int, nargs="+", default=[64, 256, 1024])
     parser.add_argument("--models", nargs="+", default=list(REAL_MODELS))
+    parser.add_argument(
+        "--owner", action="store_true", help="the owner mode beside the communication-free one"
+    )
     args = parser.parse_args()
     size = args.block_size
     print("Command: python " + " ".join(sys.argv))
+    if args.owner:
+        main_owner(args)
+        return
     print(
         f"\nblock_size {size}: root cost = sum of m^3 + n^3 over a rank's blocks; "
         f"cost x = the model's root cost over square {size} blocks'; "

@@ -338,7 +338,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--layers", type=int, default=2, help="transformer blocks (default 2)")
     p.add_argument("--system", choices=(*SYSTEMS, "both"), default="both")
-    p.add_argument("--optim", choices=("adamw", "none"), default="adamw")
+    p.add_argument("--optim", choices=("adamw", "shampoo", "none"), default="adamw")
     p.add_argument("--mp", choices=("bf16", "fp32"), default="bf16")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--seq", type=int, default=4096)
@@ -380,6 +380,11 @@ def _configs(args: argparse.Namespace) -> list[SimConfig]:
         raise ValueError(
             f"a sweep (--world {','.join(map(str, worlds))}) compares both systems; drop "
             f"--system {args.system}"
+        )
+    if args.optim == "shampoo" and args.system != "raggedfsdp":
+        raise ValueError(
+            "--optim shampoo steps raggedfsdp's RaggedShard parameters only (FSDP2's Shard(0) "
+            "would cut its blocks); pass --system raggedfsdp"
         )
     systems = SYSTEMS if args.system == "both" else (args.system,)
     return [

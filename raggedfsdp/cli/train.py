@@ -22,7 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from raggedfsdp.planner import DEFAULT_MAX_BUFFERS
-from raggedfsdp.train.checks import TRAIN_MODELS, check_args
+from raggedfsdp.train.checks import TRAIN_MODELS, check_args, start_notes
 
 BACKENDS = ("raggedfsdp", "fsdp2")
 OPTIMIZERS = ("adamw", "flat-adamw", "muon", "shampoo", "adamw8bit", "sgd")
@@ -124,6 +124,36 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--batch-size", type=int, default=16, help="global batch (rows, all ranks)")
     g.add_argument("--seq-len", type=int, default=64, help="tokens per row")
     g.add_argument("--seed", type=int, default=0, help="init and data seed")
+    g = p.add_argument_group("shampoo (--optim shampoo)")
+    g.add_argument("--shampoo-block-size", type=int, default=1024, help="a Shampoo block's columns")
+    g.add_argument(
+        "--shampoo-row-block",
+        type=int,
+        default=None,
+        help="a Shampoo block's rows (<= --shampoo-block-size); default: square blocks",
+    )
+    g.add_argument(
+        "--precondition-frequency", type=int, default=20, help="steps between root updates"
+    )
+    g.add_argument(
+        "--start-preconditioning-step",
+        type=int,
+        default=None,
+        help="first preconditioned step (before it: the grafted Adam direction); default: "
+        "--precondition-frequency",
+    )
+    g.add_argument(
+        "--shampoo-grafting",
+        default="block",
+        choices=("block", "parameter", "none"),
+        help="Adam grafting per block, per matrix (every matrix whole on a rank), or none",
+    )
+    g.add_argument(
+        "--shampoo-root-dtype",
+        default="float32",
+        choices=("float32", "float64"),
+        help="dtype of the inverse roots' eigendecompositions",
+    )
     g = p.add_argument_group("data")
     g.add_argument(
         "--data",
@@ -202,6 +232,8 @@ def main(argv: list[str], launch: Callable[[argparse.Namespace], int] | None = N
         _, digest = check_args(args)
     except (ValueError, NotImplementedError) as e:
         parser.error(str(e))
+    for line in start_notes(args):
+        print(f"train: {line}", file=sys.stderr)
     from raggedfsdp.train.rundir import OutLock, check_out, prepare
 
     out = Path(args.out)

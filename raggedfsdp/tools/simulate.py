@@ -110,6 +110,7 @@ __all__ = [
 
 SYSTEMS = ("raggedfsdp", "fsdp2")
 GROUPINGS = ("blocks", "torchtitan")
+OPTIMS = ("adamw", "shampoo", "none")
 ROLES = (
     "sharded_params",
     "unsharded_params",
@@ -133,8 +134,9 @@ class SimConfig:
         world: ranks of the fake process group. Default 64.
         layers: transformer blocks built (K); None: the model's own count. Default 2.
         system: ``"raggedfsdp"`` or ``"fsdp2"``. Default ``"raggedfsdp"``.
-        optim: ``"adamw"`` (``torch.optim.AdamW``, foreach, for both systems) or
-            ``"none"``. Default ``"adamw"``.
+        optim: ``"adamw"`` (``torch.optim.AdamW``, foreach, for both systems),
+            ``"shampoo"`` (``raggedfsdp.optim.Shampoo``, square 1024 blocks, roots due in
+            the measured step; raggedfsdp only) or ``"none"``. Default ``"adamw"``.
         mp: ``"bf16"`` (bf16 compute, fp32 master weights and reductions) or
             ``"fp32"``. Default ``"bf16"``.
         batch: sequences per rank. Default 1.
@@ -175,8 +177,13 @@ class SimConfig:
     def __post_init__(self) -> None:
         if self.system not in SYSTEMS:
             raise ValueError(f"SimConfig: system must be one of {SYSTEMS}, got {self.system!r}")
-        if self.optim not in ("adamw", "none"):
-            raise ValueError(f"SimConfig: optim must be 'adamw' or 'none', got {self.optim!r}")
+        if self.optim not in OPTIMS:
+            raise ValueError(f"SimConfig: optim must be one of {OPTIMS}, got {self.optim!r}")
+        if self.optim == "shampoo" and self.system != "raggedfsdp":
+            raise ValueError(
+                "SimConfig: optim='shampoo' steps raggedfsdp's RaggedShard parameters only; "
+                "pass system='raggedfsdp'"
+            )
         if self.grouping not in GROUPINGS:
             raise ValueError(
                 f"SimConfig: grouping must be one of {GROUPINGS}, got {self.grouping!r}"
@@ -512,6 +519,19 @@ def _layout_facts(model: nn.Module, system: str, world: int) -> dict[str, Any]:
 # ================================================================================================
 # One simulated step
 # ================================================================================================
+def _optimizer(model: nn.Module, optim: str) -> torch.optim.Optimizer | None:
+    """The simulated step's optimizer (see ``SimConfig.optim``)."""
+    if optim == "adamw":
+        return torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+    if optim == "shampoo":  # roots at every step from the first: the measured step has them
+        from raggedfsdp.optim import Shampoo
+
+        return Shampoo(
+            model.parameters(), lr=1e-4, precondition_frequency=1, start_preconditioning_step=1
+        )
+    return None
+
+
 def simulate(cfg: SimConfig) -> dict[str, Any]:
     """Build, shard and step ``cfg.model`` as rank ``cfg.rank`` of ``cfg.world``; measure it.
 
@@ -541,11 +561,7 @@ def simulate(cfg: SimConfig) -> dict[str, Any]:
         vocab = model.config.vocab_size
         with FakeTensorMode(allow_non_fake_inputs=True), _Propagation.patched():
             model.to_empty(device="cpu")
-            opt = (
-                torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
-                if cfg.optim == "adamw"
-                else None
-            )
+            opt = _optimizer(model, cfg.optim)
             tokens = torch.randint(0, vocab, (cfg.batch, cfg.seq + 1), device="cpu")
 
             def step(zero: bool = True, mark=lambda phase: None) -> None:

@@ -23,7 +23,7 @@ import re
 from raggedfsdp.models.parallelize import MeshSpec, parse_mesh_spec
 from raggedfsdp.planner import DEFAULT_MAX_BUFFERS
 
-__all__ = ["MeshSpec", "check_args", "parse_train_mesh"]
+__all__ = ["MeshSpec", "check_args", "parse_train_mesh", "start_notes"]
 
 TRAIN_MODELS = ("llama-tiny", "llama-tiny-tied", "llama-small", "moe-tiny", "moe-small")
 _ENDPOINT = re.compile(r"^[A-Za-z0-9_.\-\[\]:]+:\d{1,5}$")
@@ -102,6 +102,7 @@ def _check_numbers(args, world: int, mesh: MeshSpec) -> None:
         )
     if args.max_buffers < 1:
         raise ValueError(f"train: --max-buffers must be >= 1, got {args.max_buffers}")
+    _check_shampoo(args)
     if args.backend == "fsdp2":
         if args.optim in ("flat-adamw", "muon", "shampoo", "adamw8bit"):
             raise ValueError(f"train: --optim {args.optim} runs on the raggedfsdp backend only")
@@ -119,6 +120,56 @@ def _check_numbers(args, world: int, mesh: MeshSpec) -> None:
                 "train: --block-rows applies to the raggedfsdp backend only (FSDP2 shards "
                 "every parameter on dim 0); drop it or pass --backend raggedfsdp"
             )
+
+
+# The Shampoo flags, and the values that leave Shampoo's defaults (getattr: a namespace
+# made before they existed has none of them)
+_SHAMPOO_FLAGS = {
+    "shampoo_block_size": 1024,
+    "shampoo_row_block": None,
+    "precondition_frequency": 20,
+    "start_preconditioning_step": None,
+    "shampoo_grafting": "block",
+    "shampoo_root_dtype": "float32",
+}
+
+
+def _check_shampoo(args) -> None:
+    """The Shampoo flags: in range, and given only with ``--optim shampoo``."""
+    for name, default in _SHAMPOO_FLAGS.items():
+        value = getattr(args, name, default)
+        if value != default and args.optim != "shampoo":
+            raise ValueError(
+                f"train: {_flag(name)} applies to --optim shampoo only (got --optim "
+                f"{args.optim}); drop it or pass --optim shampoo"
+            )
+    if args.optim != "shampoo":
+        return
+    _at_least(args, 1, "shampoo_block_size", "precondition_frequency")
+    row_block = getattr(args, "shampoo_row_block", None)
+    if row_block is not None and not 1 <= row_block <= args.shampoo_block_size:
+        raise ValueError(
+            "train: --shampoo-row-block must be in [1, --shampoo-block-size "
+            f"{args.shampoo_block_size}] (a block is at most that square), got {row_block}"
+        )
+    if getattr(args, "start_preconditioning_step", None) is not None:
+        _at_least(args, 1, "start_preconditioning_step")
+
+
+def start_notes(args) -> list[str]:
+    """What a user should know before the ranks start, though nothing is wrong."""
+    notes = []
+    if args.optim == "shampoo":
+        start = getattr(args, "start_preconditioning_step", None)
+        start = start if start is not None else getattr(args, "precondition_frequency", 20)
+        if args.steps < start:
+            notes.append(
+                f"--optim shampoo: the run has {args.steps} steps, fewer than the first "
+                f"preconditioned step {start} (--start-preconditioning-step), so Shampoo never "
+                "preconditions: every step takes the grafted Adam direction; pass "
+                f"--start-preconditioning-step {max(1, args.steps)} or more --steps"
+            )
+    return notes
 
 
 def _check_packages(args) -> None:

@@ -72,12 +72,6 @@ def _shard(model: nn.Module, args, spec: MeshSpec, mesh) -> dict[str, tuple]:
         from raggedfsdp import MixedPrecisionPolicy, fully_shard
 
         policy = block_policy(args, model, spec.shard)  # the shard group's ranks
-        if args.optim == "shampoo":  # whole Shampoo blocks on every rank; R for the rest
-            from raggedfsdp.fsdp import BlockPolicy
-            from raggedfsdp.optim import shampoo_block_policy
-            from raggedfsdp.train.policy import block_rows
-
-            policy = shampoo_block_policy(base=BlockPolicy(rows=block_rows(args)))
         gaps = {"off": False, "on": True, "always": "always"}[args.member_gaps]
         kw = dict(
             reshard_after_forward=raf,
@@ -122,10 +116,38 @@ def _optimizer(model: nn.Module, args) -> torch.optim.Optimizer:
                     {**d, flag: False}
                     for d in _decay_groups(g["params"], args.weight_decay, **hyper)
                 ]
-        matrices = Muon if args.optim == "muon" else Shampoo
-        return matrices(split, lr=args.lr, weight_decay=args.weight_decay)
+        if args.optim == "muon":
+            return Muon(split, lr=args.lr, weight_decay=args.weight_decay)
+        return Shampoo(
+            split,
+            lr=args.lr,
+            weight_decay=args.weight_decay,
+            block_size=args.shampoo_block_size,
+            row_block=args.shampoo_row_block,
+            precondition_frequency=args.precondition_frequency,
+            start_preconditioning_step=args.start_preconditioning_step,
+            grafting=None if args.shampoo_grafting == "none" else args.shampoo_grafting,
+            root_dtype=getattr(torch, args.shampoo_root_dtype),
+        )
     flat = {"flat-adamw": AdamW, "adamw8bit": AdamW8bit}[args.optim]
     return flat(groups, lr=args.lr, weight_decay=args.weight_decay)
+
+
+SHAMPOO_MODES = {
+    "communication-free": "every Shampoo block whole on one rank: the step sends nothing",
+    "owner": "blocks cut across ranks are preconditioned on owner ranks: two all-to-alls a step",
+    "mixed": "some shard groups communication-free, others with owner ranks",
+}
+
+
+def _shampoo_mode(opt) -> str | None:
+    """The mode Shampoo picked from the layout (None for another optimizer)."""
+    from raggedfsdp.optim import Shampoo
+
+    if not isinstance(opt, Shampoo):
+        return None
+    modes = set(opt.modes().values())
+    return modes.pop() if len(modes) == 1 else "mixed"
 
 
 def _lr_lambda(args):
@@ -292,6 +314,9 @@ def _train(args, where: Where, device: torch.device) -> int:
         split = _shard(model, args, spec, mesh)
     where.watch(model)
     opt = _optimizer(model, args)
+    shampoo_mode = _shampoo_mode(opt)
+    if rank == 0 and shampoo_mode is not None:
+        print(f"train: --optim shampoo in the {shampoo_mode} mode ({SHAMPOO_MODES[shampoo_mode]})")
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(args))
     from raggedfsdp import checkpoint as ckpt
 
@@ -432,6 +457,7 @@ def _train(args, where: Where, device: torch.device) -> int:
         "mesh": spec.text,
         "mesh_dims": spec.dims,
         "optim": args.optim,
+        **({"shampoo_mode": shampoo_mode} if shampoo_mode is not None else {}),
         "steps": args.steps,
         "median_step_s": statistics.median(steady),
         "tokens_per_s": tokens / statistics.median(steady),

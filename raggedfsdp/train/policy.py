@@ -9,6 +9,9 @@
                    quantization blocks on every rank (AdamW8bit raises otherwise)
     muon           muon_block_policy(model, world, rows=R): R, and whole matrices on one
                    rank where that costs little padding
+    shampoo        shampoo_auto_policy(model, world, base=BlockPolicy(rows=R), ...):
+                   whole Shampoo blocks on every rank (communication-free) where that
+                   costs little padding, else R (blocks preconditioned on owner ranks)
 
 [Note: combined block policies]
 A block that is a whole block of several policies is the lcm of their rows (a
@@ -28,9 +31,16 @@ import math
 from torch import nn
 
 from raggedfsdp.fsdp import BlockPolicy
-from raggedfsdp.optim import adamw8bit_block_policy, muon_block_policy
+from raggedfsdp.optim import adamw8bit_block_policy, muon_block_policy, shampoo_auto_policy
 
-__all__ = ["CombinedPolicy", "block_policy", "block_rows", "check_block_rows", "member_rows"]
+__all__ = [
+    "CombinedPolicy",
+    "block_policy",
+    "block_rows",
+    "check_block_rows",
+    "member_rows",
+    "shampoo_layout",
+]
 
 WHOLE = "whole"
 
@@ -82,7 +92,22 @@ def block_policy(args, model: nn.Module, world: int):
         return muon_block_policy(model, world, rows=rows)
     if args.optim == "adamw8bit":
         return CombinedPolicy(BlockPolicy(rows=rows), adamw8bit_block_policy())
+    if args.optim == "shampoo":
+        return shampoo_layout(args, model, world).policy
     return BlockPolicy(rows=rows)
+
+
+def shampoo_layout(args, model: nn.Module, world: int):
+    """``--optim shampoo``'s layout (a ``ShampooLayoutChoice``: its policy and mode)."""
+    return shampoo_auto_policy(
+        model,
+        world,
+        block_size=args.shampoo_block_size,
+        row_block=args.shampoo_row_block,
+        whole_matrices=args.shampoo_grafting == "parameter",
+        base=BlockPolicy(rows=block_rows(args)),
+        max_buffers=args.max_buffers,
+    )
 
 
 def check_block_rows(args, model: nn.Module, world: int) -> None:

@@ -79,7 +79,7 @@ OPTIM_STATE_BYTES = {
     "muon": 4,
     # momentum and the graft's second moment (8), then per r x b block L, R and their
     # roots: 2 (r^2 + b^2) fp32 over r b elements, 8 (r / b + b / r) >= 16 bytes per
-    # element (square blocks; 65 for the default 128 x 1024): the estimate is a lower bound
+    # element (square blocks, the default; 65 for 128 x 1024): the estimate is a lower bound
     "shampoo": 24,
     "adamw8bit": 2,
     "sgd": 0,

@@ -104,6 +104,19 @@ TRAJECTORY = (
     "tokenizer",
     "max_bytes",
 )
+# and, under --optim shampoo, its settings (the state's shape follows the blocks)
+SHAMPOO_TRAJECTORY = (
+    "shampoo_block_size",
+    "shampoo_row_block",
+    "precondition_frequency",
+    "start_preconditioning_step",
+    "shampoo_grafting",
+    "shampoo_root_dtype",
+)
+
+
+def _optim_trajectory(args: dict) -> tuple[str, ...]:
+    return SHAMPOO_TRAJECTORY if args.get("optim") == "shampoo" else ()
 
 
 def data_digest(corpus) -> str:
@@ -233,7 +246,7 @@ def check_out(args, digest: str) -> int:
     changed = [
         f"{_flag(k) if k != 'data_sha256' else 'the bytes of --data'} "
         f"{current.get(k)!r} (the run: {saved.get(k)!r})"
-        for k in (*TRAJECTORY, "data_sha256")
+        for k in (*TRAJECTORY, *_optim_trajectory(current), "data_sha256")
         if current.get(k) != saved.get(k)
     ]
     if changed:

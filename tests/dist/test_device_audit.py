@@ -49,6 +49,16 @@ OPTIMIZERS = {
         ),
         lambda model, world: shampoo_block_policy(32, row_block=4),
     ),
+    "shampoo-owner": (  # the default layout: blocks cut across ranks go to owner ranks
+        lambda m: Shampoo(
+            m.parameters(),
+            lr=1e-3,
+            block_size=32,
+            precondition_frequency=1,
+            start_preconditioning_step=1,
+        ),
+        None,
+    ),
 }
 
 

@@ -203,6 +203,7 @@ def test_cli_json():
         ),
         (["--mesh", "replicate=0,shard=4"], "the size of 'replicate' must be an int"),
         (["--time-shard", "--png", "x.png"], "--png draws a simulated step"),
+        (["--optim", "shampoo"], r"--optim shampoo steps raggedfsdp's .* --system raggedfsdp"),
     ],
 )
 def test_cli_mesh_errors_come_before_any_work(capsys, argv, match):
@@ -223,6 +224,21 @@ def test_errors():
         SimConfig(model="llama-tiny", world=4, rank=4)
     with pytest.raises(ValueError, match=r"replicate=3 does not divide world=64; the HSDP mesh"):
         SimConfig(model="llama-tiny", world=64, replicate=3)
+    with pytest.raises(ValueError, match=r"optim='shampoo' steps raggedfsdp's RaggedShard"):
+        SimConfig(model="llama-tiny", system="fsdp2", optim="shampoo")
     config, note = buildable_config("gpt-oss-120b", layers=2)
     assert not config.fused_gate_up and "unfused experts" in note and config.n_layers == 2
     assert torch.get_default_device().type == "cpu"
+
+
+def test_shampoo_peak_is_adamws_plus_its_state(results):
+    """Shampoo in the owner mode (moe-tiny's matrices span ranks at world 64): the step
+    adds two all-to-alls (a rank receives what it sends), and its peak is at most AdamW's
+    plus Shampoo's own state: gathering blocks on their owners costs no more than the
+    AdamW moments it does without."""
+    adamw, shampoo = results["raggedfsdp"], simulate(SimConfig(optim="shampoo", **CFG))
+    count, sent, received = shampoo["comm"]["all_to_all"]
+    assert count == 2 and sent == received > 0
+    state = shampoo["roles"]["optimizer"]
+    assert state > adamw["roles"]["optimizer"]
+    assert shampoo["peak"]["total"] <= adamw["peak"]["total"] + state

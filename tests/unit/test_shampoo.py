@@ -159,7 +159,7 @@ SHAPES = {"a": (70, 45), "stack": (3, 40, 24), "small": (5, 7)}
 
 
 def _run_pair(block_size, grafting, steps=7, hyper=HYPER, row_block=None, **kw):
-    """``row_block=None``: Shampoo's default, ``min(128, block_size)`` rows."""
+    """``row_block=None``: Shampoo's default, ``block_size`` rows (square blocks)."""
     torch.manual_seed(0)
     ref = {n: torch.randn(s) for n, s in SHAPES.items()}
     ours = {n: nn.Parameter(t.clone()) for n, t in ref.items()}
@@ -171,7 +171,7 @@ def _run_pair(block_size, grafting, steps=7, hyper=HYPER, row_block=None, **kw):
         **hyper,
         **kw,
     )
-    rows = min(128, block_size) if row_block is None else row_block
+    rows = block_size if row_block is None else row_block
     state = reference_init(ref, block_size, rows)
     for step in range(steps):
         grads = {n: gradient(n, s, step) for n, s in SHAPES.items()}
@@ -265,7 +265,7 @@ def test_block_policy():
     rows = shampoo_block_policy(64, row_block=8)  # the RaggedShard block is row_block rows
     assert rows("w", nn.Parameter(torch.zeros(96, 260))) == 8
     assert rows("w", nn.Parameter(torch.zeros(260, 96))) == "whole"  # 8 does not divide 260
-    assert shampoo_block_policy().row_block == 128  # the default: min(128, block_size)
+    assert shampoo_block_policy().row_block == 1024  # the default: square blocks
     assert shampoo_block_policy(32).row_block == 32
     with pytest.raises(ValueError, match="ShampooBlockPolicy: block_size must be a positive int"):
         shampoo_block_policy(0)
@@ -345,3 +345,52 @@ def test_train_refusals(argv, match, capsys, tmp_path):
     assert exit_.value.code == 2
     assert re.search(match, capsys.readouterr().err)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (["--shampoo-block-size", "64"], r"--shampoo-block-size applies to --optim shampoo only"),
+        (["--optim", "shampoo", "--shampoo-block-size", "0"], r"--shampoo-block-size must be >= 1"),
+        (
+            ["--optim", "shampoo", "--shampoo-block-size", "16", "--shampoo-row-block", "32"],
+            r"--shampoo-row-block must be in \[1, --shampoo-block-size 16\]",
+        ),
+        (
+            ["--optim", "shampoo", "--start-preconditioning-step", "0"],
+            r"--start-preconditioning-step must be >= 1",
+        ),
+    ],
+)
+def test_train_shampoo_flags_refused(argv, match, capsys, tmp_path):
+    from raggedfsdp.cli.train import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main([*argv, "--max-bytes", "100000", "--out", str(tmp_path / "out")])
+    assert exit_.value.code == 2
+    assert re.search(match, capsys.readouterr().err)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("steps, said", [(5, True), (20, False)])
+def test_train_says_when_shampoo_never_preconditions(steps, said, capsys, tmp_path):
+    """A run shorter than the first preconditioned step (20 by default) is told so."""
+    from raggedfsdp.cli.train import main
+
+    argv = ["--optim", "shampoo", "--steps", str(steps), "--max-bytes", "100000"]
+    assert main([*argv, "--out", str(tmp_path / "out")], launch=lambda args: 0) == 0
+    err = capsys.readouterr().err
+    note = f"the run has {steps} steps, fewer than the first preconditioned step 20"
+    assert (note in err) == said, err
+
+
+def test_plain_tensors_are_communication_free_and_groups_fixed_once_planned():
+    """Parameters whole on every rank: one group, communication-free; once the owners are
+    planned (a step, or ``modes()``), a new Shampoo group would move them: refused."""
+    w, v = nn.Parameter(torch.randn(40, 24)), nn.Parameter(torch.randn(3, 8, 8))
+    opt = Shampoo([{"params": [w, v], "use_shampoo": True}], block_size=16)
+    assert opt.modes() == {"": "communication-free"}
+    assert [len(b) for b in opt.plan_of("").params] == [3 * 2, 3]  # 40 x 24, 3 x (8 x 8)
+    with pytest.raises(NotImplementedError, match=r"add_param_group after the first step"):
+        opt.add_param_group({"params": [nn.Parameter(torch.zeros(4, 4))], "use_shampoo": True})
+    opt.add_param_group({"params": [nn.Parameter(torch.zeros(4))], "use_shampoo": False})

@@ -1,0 +1,90 @@
+"""Shampoo's owner plan (pure planning): who owns each block, what each rank sends."""
+
+from __future__ import annotations
+
+import pytest
+
+from raggedfsdp.optim.shampoo import ParamRows, blocks_of, plan_owners
+
+
+def _even(members, rows, cols, world):
+    """Rows cut as evenly as whole rows allow over ``world`` ranks."""
+    total = members * rows
+    cuts = [total * r // world for r in range(world + 1)]
+    segments = tuple((r, cuts[r], cuts[r + 1]) for r in range(world) if cuts[r + 1] > cuts[r])
+    return ParamRows(members, rows, cols, segments)
+
+
+PARAMS = [_even(1, 96, 96, 5), _even(1, 260, 96, 5), _even(6, 44, 96, 5), _even(1, 32, 96, 5)]
+
+
+def test_owners_hold_rows_never_decrease_and_balance():
+    plan = plan_owners(PARAMS, 5, 16, 16)
+    assert plan.mode == "owner"
+    for p, blocks in zip(PARAMS, plan.params):
+        assert [b.block for b in blocks] == blocks_of(p.members, p.rows, p.cols, 16, 16)
+        owners = [b.owner for b in blocks]
+        assert owners == sorted(owners)  # so each rank's state is one run of the global state
+        for b in blocks:
+            assert b.owner in {r for r, _, _ in b.pieces}  # among its holders
+            e, r0, r1 = b.block[:3]
+            assert sum(hi - lo for _, lo, hi in b.pieces) == r1 - r0
+            assert b.pieces[0][1] == e * p.rows + r0 and b.pieces[-1][2] == e * p.rows + r1
+    costs = [
+        (b.block[2] - b.block[1]) ** 3 + (b.block[4] - b.block[3]) ** 3
+        for bs in plan.params
+        for b in bs
+    ]
+    assert sum(plan.load) == sum(costs)
+    left, right, graft = plan.units(0)
+    assert sum(graft) == 96 * 96 and sum(left) == sum(right) == 6 * 6 * 16 * 16  # 36 blocks
+
+
+def test_balance_reaches_the_optimum():
+    """80 x 64 over 6 ranks cut at rows 8, 24, 40, 56, 72: each 16-row block has two
+    holders, and 20 blocks of 16 x 16 on 6 ranks put at least 4 on some rank."""
+    cuts = [0, 8, 24, 40, 56, 72, 80]
+    p = ParamRows(1, 80, 64, tuple((r, cuts[r], cuts[r + 1]) for r in range(6)))
+    plan = plan_owners([p], 6, 16, 16)
+    assert max(plan.load) == 4 * 2 * 16**3
+
+
+def test_traffic_and_exchanges_agree():
+    """Rank r's gather sends each of its pieces of others' blocks to their owner; the
+    owner's gather receives the same pieces in the same order; the scatter reverses it."""
+    world = 5
+    plan = plan_owners(PARAMS, world, 16, 16)
+    ex = [plan.exchanges(r, range(len(PARAMS))) for r in range(world)]
+    for src in range(world):
+        for dst in range(world):
+            sent = [s for s in ex[src][0].send if _owner(plan, s[0]) == dst]
+            got = [s for s in ex[dst][0].recv if s[1] == src]
+            assert sent == got
+            assert ex[src][0].send_splits[dst] == ex[dst][0].recv_splits[src]
+            assert ex[src][1].send_splits[dst] == ex[dst][1].recv_splits[src]
+    for r in range(world):
+        g, s = ex[r]
+        assert sum(g.send_splits) + sum(s.send_splits) == plan.traffic()[r]
+
+
+def _owner(plan, gid):
+    for blocks in plan.params:
+        if gid < len(blocks):
+            return blocks[gid].owner
+        gid -= len(blocks)
+    raise AssertionError(gid)
+
+
+def test_whole_blocks_are_communication_free():
+    p = ParamRows(1, 64, 40, ((0, 0, 32), (2, 32, 64)))  # rank 1 holds no rows
+    plan = plan_owners([p], 3, 16, 16)
+    assert plan.mode == "communication-free"
+    assert [b.owner for b in plan.params[0]] == [0] * 6 + [2] * 6
+    assert plan.traffic() == [0, 0, 0]
+
+
+def test_rows_not_covered_refused():
+    with pytest.raises(ValueError, match=r"parameter 0 has segments .* do not cover its 8 rows"):
+        plan_owners([ParamRows(1, 8, 4, ((0, 0, 4), (1, 5, 8)))], 2, 4, 4)
+    with pytest.raises(ValueError, match=r"parameter 0 covers 6 of its 8 rows"):
+        plan_owners([ParamRows(1, 8, 4, ((0, 0, 6),))], 2, 4, 4)
