@@ -123,7 +123,7 @@ def fully_shard(
         grads_in_params: in backward, write each parameter's gradient over its own
             unsharded value once autograd no longer needs it, so the group holds no
             gradient buffer beside its unsharded parameters (see [Note: gradients in
-            place] in ``_param_group.py``). Pass False for a model that reads a
+            place] in ``_grads.py``). Pass False for a model that reads a
             parameter's value in backward after its gradient is complete (a
             ``detach()``-ed use), or that uses a parameter in several reentrant
             checkpointed regions (an error says so). Default True.
