@@ -35,17 +35,7 @@ __all__ = [
     "PendingGather",
     "PendingReduce",
     "ShardedState",
-    "owner_of",
 ]
-
-
-def owner_of(param: torch.Tensor) -> tuple[ParamGroup, ParamRef] | None:
-    """The ``(ParamGroup, ParamRef)`` of a sharded parameter, or None for other tensors."""
-    owner = getattr(param, OWNER_ATTR, None)
-    if owner is None:
-        return None
-    group, index = owner
-    return group, group.refs[index]
 
 
 def _laid_out(refs, originals, mesh, spmd: SPMDMesh | None) -> list[torch.Tensor]:

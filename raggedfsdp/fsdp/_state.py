@@ -152,7 +152,6 @@ class FSDPState:
         self._forward_pending: set[int] = set()  # ids of this group's modules yet to run
         self.unshard_in_backward = True
         self.max_reduces_in_flight = 1
-        self.is_last_backward = True  # set_is_last_backward: recorded (see FSDPModule's)
         self.post_optim_event = None  # set_post_optim_event: the next gathers wait on it
         # root only
         self._states: list[FSDPState] = []
