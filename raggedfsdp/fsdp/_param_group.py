@@ -3,7 +3,7 @@ collective each way."""
 
 from __future__ import annotations
 
-import functools
+import weakref
 from collections.abc import Callable
 from typing import cast
 
@@ -23,6 +23,7 @@ from raggedfsdp.fsdp._state import PostForwardGroup
 from raggedfsdp.fsdp._subclass import SubclassGather, values_of
 from raggedfsdp.fsdp._tp import tp_spec_of
 from raggedfsdp.fsdp._trace import phase
+from raggedfsdp.fsdp._weak import WeakPartial
 from raggedfsdp.fsdp.dbuffer import DBuffer
 from raggedfsdp.planner import BufferLayout, TensorSpec
 from raggedfsdp.tensor.collectives import all_gather_single, completed_work
@@ -139,6 +140,7 @@ class ParamGroup(GradientPath):
         subclass: bool = False,
     ):
         self.refs: list[ParamRef] = refs
+        self._index_of = {id(ref): i for i, ref in enumerate(refs)}  # see _make_sharded
         self.view = BufferView(self)  # the public handle (raggedfsdp.fsdp.buffers_of)
         self.name = (
             f"{name}({', '.join(r.fqn for r in refs[:3])}{', ...' if len(refs) > 3 else ''})"
@@ -256,7 +258,7 @@ class ParamGroup(GradientPath):
         else:  # re-point an existing parameter (after to_empty / _apply), keeping its identity
             cast(DTensor, ref.sharded)._local_tensor = dt._local_tensor
             cast(DTensor, ref.sharded)._spec = dt._spec  # an adopted DTensor's placements
-        setattr(ref.sharded, OWNER_ATTR, (self, self.refs.index(ref)))
+        setattr(ref.sharded, OWNER_ATTR, (weakref.ref(self), self._index_of[id(ref)]))
 
     def reset_after_apply(self) -> None:
         """Rebuild the storages after ``Module._apply`` (``to_empty``, ``to``, ``float``).
@@ -565,7 +567,7 @@ class ParamGroup(GradientPath):
                     view = ref.tp.unsharded(view, ref.requires_grad)
                 ref.unsharded = nn.Parameter(view, requires_grad=ref.requires_grad)
                 if ref.requires_grad:
-                    hook = reads_no_parameters(functools.partial(self._first_grad_hook, ref))
+                    hook = reads_no_parameters(WeakPartial(self._first_grad_hook, ref))
                     ref.hooks.append(ref.unsharded.register_hook(hook))
                     ref.hooks.append(
                         ref.unsharded.register_post_accumulate_grad_hook(mark_got_grad(ref))

@@ -15,6 +15,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from raggedfsdp.fsdp._tp import TPSpec
+from raggedfsdp.fsdp._weak import WeakPairs
 from raggedfsdp.tensor.placement import RaggedShard
 
 __all__ = ["ParamRef", "PendingGather", "PendingReduce", "ShardedState"]
@@ -64,6 +65,11 @@ class ParamRef:
     grad_in_place: bool = False  # its gradient replaced its unsharded value this backward
     assigned_grad: torch.Tensor | None = None  # the unsharded .grad we set (a storage view)
     hooks: list = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        # the modules hold the group that holds this record: weak back, see
+        # [Note: freed without the garbage collector] in ``_weak.py``
+        self.uses = WeakPairs(self.uses)
 
     @property
     def param(self) -> nn.Parameter:
