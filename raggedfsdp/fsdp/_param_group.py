@@ -174,7 +174,10 @@ class ParamGroup(GradientPath):
             raise AssertionError(f"fully_shard group {self.name}: its layout holds other tensors")
         self.layout = layout
         self.fp8 = None if fp8 is None else Fp8Layout(layout, fp8)
-        self.subclass = SubclassGather(self, originals) if subclass else None
+        # a proxy: the group holds its SubclassGather, which reads the group's fields (see
+        # [Note: freed without the garbage collector] in ``_weak.py``)
+        me = cast("ParamGroup", weakref.proxy(self))
+        self.subclass = SubclassGather(me, originals) if subclass else None
         self.dbuf = self._new_dbuf(shard_device)
         for ref, p in zip(refs, originals):
             ref.placement = RaggedShard.from_layout(self.layout, ref.fqn)

@@ -75,6 +75,19 @@ def _run_hooks_eagerly(cls: type[FSDPState]) -> None:
     cls._hooks_run_eagerly = True
 
 
+def _reshard_hook(group: GroupSet):
+    """A state-dict pre-hook that reshards ``group``, holding it weakly (see [Note: freed
+    without the garbage collector] in ``_weak.py``)."""
+    held = weakref.ref(group)
+
+    def hook(*args, **kwargs) -> None:
+        alive = held()
+        if alive is not None:
+            alive.reshard()
+
+    return hook
+
+
 def state_of(module: nn.Module) -> FSDPState | None:
     """The ``FSDPState`` of a module passed to ``fully_shard``, else None."""
     return module.__dict__.get(_STATE_ATTR)
@@ -308,10 +321,9 @@ class FSDPState:
         if self.group is None or self._state_dict_hooked:
             return
         self.group.adopt_registered()
-        group = self.group
-        holders = {id(ref.uses[0][0]): ref.uses[0][0] for ref in group.refs}
-        for module in holders.values():
-            module.register_state_dict_pre_hook(lambda *args, **kwargs: group.reshard())
+        holders = {id(ref.uses[0][0]): ref.uses[0][0] for ref in self.group.refs}
+        for module in holders.values():  # the group is held weakly: modules are held by it
+            module.register_state_dict_pre_hook(_reshard_hook(self.group))
         self._state_dict_hooked = True
 
     def _enter(self, event: str) -> None:
