@@ -39,9 +39,10 @@ from pathlib import Path
 
 from _common import ANALYSIS, RESULTS, git_state, header, write_results  # beside this script
 
-from raggedfsdp.cli.simulate import cross_check, parse_mesh, plot_timeline, sweep_row
 from raggedfsdp.models import CATALOGUE, get_config
+from raggedfsdp.models.mesh import parse_hsdp_mesh
 from raggedfsdp.tools.simulate import ROLES, SimConfig, simulate, time_fully_shard
+from raggedfsdp.tools.simulate_results import cross_check, plot_timeline, sweep_row
 
 SYSTEMS = ("raggedfsdp", "fsdp2")
 RAW = Path("/tmp/raggedfsdp_scale.jsonl")
@@ -463,7 +464,7 @@ def main(argv=None) -> None:
         main_sweep(args, argv if argv is not None else sys.argv[1:], command)
         return
     if args.meshes:
-        main_hsdp(args, [parse_mesh(m, None) for m in args.meshes], command)
+        main_hsdp(args, [parse_hsdp_mesh(m, None, "scale") for m in args.meshes], command)
         return
     old = args.out.read_text().rstrip("\n").split("\n") if args.out.exists() else []
     kept = [(_section(old, h), p) for h, p in ((HSDP, HSDP_COMMAND), (SWEEP, SWEEP_COMMAND))]

@@ -5,7 +5,7 @@ to another world size or block policy, crash safety, async save and safetensors 
     step, extra = checkpoint.load("ckpt", model, optimizer)   # the newest complete one
     checkpoint.export_safetensors(model, "export")
 
-See [Note: commit protocol] in ``_files`` and [Note: checkpoint keys] in ``_state``.
+See [Note: commit protocol] in ``files`` and [Note: checkpoint keys] in ``_state``.
 """
 
 from raggedfsdp.checkpoint._api import (

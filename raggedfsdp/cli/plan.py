@@ -55,30 +55,8 @@ from raggedfsdp.planner import (
     zero3_padding,
 )
 
-_MESH_EXAMPLE = "e.g. --mesh replicate=2,shard=4"
 # Bytes per rank per step, per kind and in total; see [Note: HSDP in the plan].
 BYTES = ("shard_bytes", "all_gather_bytes", "reduce_scatter_bytes", "hsdp_all_reduce_bytes")
-
-
-def parse_mesh(text: str) -> tuple[int, int]:
-    """``--mesh replicate=R,shard=S`` as ``(R, S)``: the HSDP mesh of ``plan`` and ``train``.
-
-    Args:
-        text: comma-separated ``name=size`` pairs, ``replicate`` and ``shard`` each once,
-            in any order.
-
-    Raises:
-        ValueError: a malformed pair, a size that is not an int >= 1, an unknown or
-            repeated name, or a missing one.
-        NotImplementedError: a dim of a parallelism that is not supported yet (``tp``,
-            ``ep``, ``cp``, ``pp``).
-    """
-    return parse_hsdp_mesh(
-        text,
-        _MESH_EXAMPLE,
-        "only HSDP meshes are: pass replicate=R,shard=S",
-        "(replicate=1 is plain FSDP)",
-    )
 
 
 def _block_rows(text: str) -> int | str:
@@ -188,14 +166,7 @@ def _mesh_of(args: argparse.Namespace) -> tuple[int, int]:
         raise ValueError(f"--world must be >= 1, got {args.world}")
     if args.mesh is None:
         return 1, 8 if args.world is None else args.world
-    replicate, shard = parse_mesh(args.mesh)
-    if args.world is not None and args.world != replicate * shard:
-        raise ValueError(
-            f"--world {args.world} and --mesh {args.mesh} ({replicate} x {shard} = "
-            f"{replicate * shard} ranks) disagree; drop --world (the mesh gives it) or make it "
-            f"{replicate * shard}"
-        )
-    return replicate, shard
+    return parse_hsdp_mesh(args.mesh, args.world, "plan")
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

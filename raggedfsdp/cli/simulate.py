@@ -1,6 +1,7 @@
-"""The command line of ``python -m raggedfsdp simulate``: arguments, the text report, the
-memory timeline plot, and the sweep over world sizes (its rows, table and plot). The
-simulation itself is ``raggedfsdp.tools.simulate``."""
+"""The command line of ``python -m raggedfsdp simulate``: arguments, the text report and
+the sweep over world sizes (its table and plot). The simulation itself is
+``raggedfsdp.tools.simulate``; what its results read as (the cross-check, the memory
+timeline plot, a sweep's rows) is ``raggedfsdp.tools.simulate_results``."""
 
 from __future__ import annotations
 
@@ -11,45 +12,27 @@ import sys
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+from raggedfsdp.models.mesh import parse_hsdp_mesh
 from raggedfsdp.tools.simulate import (
     GROUPINGS,
-    ROLES,
     SYSTEMS,
     SimConfig,
     simulate,
     time_fully_shard,
 )
+from raggedfsdp.tools.simulate_results import cross_check, mesh_text, plot_timeline, sweep_row
 
 __all__ = [
-    "cross_check",
     "format_result",
     "format_sweep",
     "main",
-    "parse_mesh",
     "plot_sweep",
-    "plot_timeline",
     "sweep",
-    "sweep_row",
 ]
 
 
 def _mib(n: float) -> str:
     return f"{n / 2**20:,.1f}"
-
-
-def _mesh_text(mesh: dict[str, int] | None, world: int) -> str:
-    """``mesh replicate=R x shard=S`` (HSDP) or ``N ranks`` (a 1-D mesh)."""
-    return (
-        f"mesh replicate={mesh['replicate']} x shard={mesh['shard']}" if mesh else f"{world} ranks"
-    )
-
-
-def cross_check(r: dict[str, Any]) -> float | None:
-    """FSDPMemTracker's peak relative to MemTracker's, minus 1 (None if it did not run)."""
-    fmt = r.get("fsdp_mem_tracker") or {}
-    if "peak" not in fmt or not r["peak"].get("total"):
-        return None
-    return fmt["peak"].get("total", 0) / r["peak"]["total"] - 1
 
 
 def format_result(r: dict[str, Any]) -> str:
@@ -60,7 +43,7 @@ def format_result(r: dict[str, Any]) -> str:
         ranks.setdefault(kind, set()).add(n)
     lines = [
         f"{c['system']}: {c['model']} ({c['layers']} blocks, {r['params']:,} params), "
-        f"rank {c['rank']} of {c['world']} ({_mesh_text(r['mesh'], c['world'])}), "
+        f"rank {c['rank']} of {c['world']} ({mesh_text(r['mesh'], c['world'])}), "
         f"batch {c['batch']} x {c['seq']}, mp {c['mp']}, optim {c['optim']}, "
         f"AC {'on' if c['ac'] else 'off'}" + (f"  [{r['note']}]" if r["note"] else ""),
         f"  peak {_mib(r['peak'].get('total', 0))} MiB; MemTracker: "
@@ -89,114 +72,9 @@ def format_result(r: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-ROLE_COLORS = {
-    "sharded_params": "#4c72b0",
-    "unsharded_params": "#8fb0e0",
-    "comm_buffers": "#dd8452",
-    "sharded_grads": "#55a868",
-    "unsharded_grads": "#a6d9a0",
-    "optimizer": "#8172b3",
-    "activations": "#c44e52",
-    "temporaries": "#f0a0a0",
-}
-
-
-def plot_timeline(results: list[dict[str, Any]], path: str) -> None:
-    """Allocated bytes by role over the measured step's ops, one panel per result (same
-    y-scale), stacked; the phases and the peak marked. Needs matplotlib (the ``train``
-    extra)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    top = max(r["peak"].get("total", 0) for r in results)
-    unit, scale = ("GiB", 2**30) if top >= 2**30 else ("MiB", 2**20)
-    fig, axes = plt.subplots(
-        1, len(results), figsize=(6.5 * len(results), 4.2), sharey=True, squeeze=False
-    )
-    for ax, r in zip(axes[0], results):
-        t = r["timeline"]
-        ax.stackplot(
-            t["at"],
-            [[b / scale for b in t["roles"][role]] for role in ROLES],
-            labels=[role.replace("_", " ") for role in ROLES],
-            colors=[ROLE_COLORS[role] for role in ROLES],
-            step="post",
-        )
-        for phase, op in t["phases"].items():
-            right = op > 0.8 * t["ops"]  # a label near the end goes on the line's left
-            ax.axvline(op, color="0.3", lw=0.8, ls=":")
-            ax.annotate(phase, (op, 1), xycoords=("data", "axes fraction"), fontsize=8,
-                        xytext=(-2 if right else 2, -10), textcoords="offset points",
-                        ha="right" if right else "left")  # fmt: skip
-        peak = r["peak"].get("total", 0) / scale
-        ax.axhline(peak, color="k", lw=0.6)
-        ax.set_title(f"{r['config']['system']}: peak {peak:,.2f} {unit}", fontsize=10)
-        ax.set_xlabel(f"op of the measured step (of {t['ops']:,})")
-        ax.set_xlim(0, max(t["ops"] - 1, 1))
-    axes[0][0].set_ylabel(f"allocated per rank ({unit})")
-    handles, labels = axes[0][0].get_legend_handles_labels()
-    fig.legend(handles[::-1], labels[::-1], loc="center right", fontsize=8)
-    c = results[0]["config"]
-    fig.suptitle(
-        f"{c['model']}, {c['layers']} blocks, rank {c['rank']} of {c['world']} "
-        f"({_mesh_text(results[0]['mesh'], c['world'])}), batch {c['batch']} x {c['seq']}",
-        fontsize=11,
-    )
-    fig.tight_layout(rect=(0, 0, 0.86, 1))
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
 # ================================================================================================
 # The sweep over world sizes
 # ================================================================================================
-def _gathered(r: dict[str, Any]) -> int:
-    """Bytes all-gathered on this rank in the measured step: the outputs, padding included."""
-    return r["comm"].get("all_gather", [0, 0, 0])[2]
-
-
-def sweep_row(ours: dict[str, Any], fsdp2: dict[str, Any]) -> dict[str, Any]:
-    """One world size of a sweep: raggedfsdp's and FSDP2's ``simulate`` results of the same
-    configuration, side by side.
-
-    Returns:
-        ``model``, ``world``, ``layers``, ``params`` (elements), and for each system
-        (``_raggedfsdp``, ``_fsdp2``): ``peak`` (bytes per rank over the whole step),
-        ``gathered`` (bytes all-gathered per step, padding included) and ``padding``
-        (padding elements over parameter elements); ``peak_ratio`` and
-        ``gathered_ratio`` (raggedfsdp / FSDP2).
-
-    Raises:
-        ValueError: the results are not raggedfsdp's and FSDP2's of one configuration.
-    """
-    a, b = ours["config"], fsdp2["config"]
-    if (a["system"], b["system"]) != ("raggedfsdp", "fsdp2") or {**a, "system": 0} != {
-        **b,
-        "system": 0,
-    }:
-        raise ValueError(
-            "sweep_row: pass raggedfsdp's result, then FSDP2's, of the same configuration; "
-            f"got {a['system']} then {b['system']}, configs differing in "
-            f"{sorted(k for k in a if a[k] != b.get(k) and k != 'system')}"
-        )
-    row: dict[str, Any] = {
-        "model": a["model"],
-        "world": a["world"],
-        "layers": a["layers"],
-        "params": ours["params"],
-    }
-    for name, r in (("raggedfsdp", ours), ("fsdp2", fsdp2)):
-        row[f"peak_{name}"] = r["peak"].get("total", 0)
-        row[f"gathered_{name}"] = _gathered(r)
-        row[f"padding_{name}"] = r["layout"]["padding_elems"] / max(r["layout"]["numel"], 1)
-    for what in ("peak", "gathered"):
-        theirs = row[f"{what}_fsdp2"]
-        row[f"{what}_ratio"] = row[f"{what}_raggedfsdp"] / theirs if theirs else None
-    return row
-
-
 def sweep(cfg: SimConfig, worlds: Iterable[int]) -> Iterator[dict[str, Any]]:
     """``sweep_row`` at each world size: ``cfg`` simulated by both systems (its ``world``
     and ``system`` replaced)."""
@@ -274,33 +152,6 @@ def _sweep_title(cfg: SimConfig, params: int) -> str:
 # ================================================================================================
 # Arguments
 # ================================================================================================
-_MESH_EXAMPLE = "e.g. --mesh replicate=4,shard=64"
-
-
-def parse_mesh(text: str, world: int | None) -> tuple[int, int]:
-    """``--mesh replicate=R,shard=S`` (checked against ``--world`` if given) as ``(R, S)``.
-
-    Raises:
-        ValueError: what ``raggedfsdp.models.mesh.parse_hsdp_mesh`` raises, or a ``world``
-            other than ``R * S``.
-        NotImplementedError: a dim of a parallelism ``simulate`` does not run (tp, ep, ...).
-    """
-    from raggedfsdp.models.mesh import parse_hsdp_mesh
-
-    r, s = parse_hsdp_mesh(
-        text,
-        _MESH_EXAMPLE,
-        "simulate takes HSDP meshes: replicate=R,shard=S",
-        "(or leave --mesh out and pass --world for a 1-D mesh)",
-    )
-    if world is not None and world != r * s:
-        raise ValueError(
-            f"--world {world} and --mesh {text} ({r} x {s} = {r * s} ranks) disagree; drop "
-            f"--world (the mesh gives it) or make it {r * s}"
-        )
-    return r, s
-
-
 def _worlds(text: str) -> list[int]:
     """``--world``: a rank count or a comma list of them (a sweep)."""
     try:
@@ -372,7 +223,7 @@ def _configs(args: argparse.Namespace) -> list[SimConfig]:
                 f"--mesh {args.mesh} fixes one world size; a sweep (--world "
                 f"{','.join(map(str, worlds))}) runs 1-D meshes: drop one"
             )
-        replicate, shard = parse_mesh(args.mesh, args.world and args.world[0])
+        replicate, shard = parse_hsdp_mesh(args.mesh, args.world and args.world[0], "simulate")
         worlds = [replicate * shard]
     if args.png is not None and args.time_shard:
         raise ValueError("--png draws a simulated step, which --time-shard does not run; drop one")
@@ -426,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
             if not args.json:
                 print(
                     f"{r['system']}: fully_shard of {r['model']} ({r['blocks']} blocks) at "
-                    f"{_mesh_text(r['mesh'], r['world'])}: {r['seconds']:.2f} s, "
+                    f"{mesh_text(r['mesh'], r['world'])}: {r['seconds']:.2f} s, "
                     f"{r['gc_objects']:,} objects kept"
                 )
     else:

@@ -1,13 +1,13 @@
 """``python -m raggedfsdp train``: launch N ranks with torchrun and train a catalogue model.
 
-Arguments are checked here, before any process is spawned (``_checks``: the launch,
+Arguments are checked here, before any process is spawned (``checks``: the launch,
 every number's range, the data, the block size against the model, the run folder);
-then the launcher takes the run folder (``_rundir``: [Note: a run owns its folder])
+then the launcher takes the run folder (``rundir``: [Note: a run owns its folder])
 and starts the ranks, which run ``raggedfsdp.train.loop``. The launcher is
 ``torch.distributed.run`` itself, so ``--nnodes``/``--node-rank``/``--rdzv-endpoint``
 scale the same command to several machines. A failure inside the ranks ends the job
 with their own one-line messages and one line from the launcher (see [Note: how a rank
-fails] in ``_guard``): the launcher's line says how the first failed rank ended (its exit
+fails] in ``guard``): the launcher's line says how the first failed rank ended (its exit
 code, or the signal that killed it) and what the run's checkpoints on disk are.
 """
 

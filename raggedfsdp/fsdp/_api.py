@@ -126,7 +126,7 @@ def fully_shard(
         grads_in_params: in backward, write each parameter's gradient over its own
             unsharded value once autograd no longer needs it, so the group holds no
             gradient buffer beside its unsharded parameters (see [Note: gradients in
-            place] in ``_param_group.py``). Pass False for a model that reads a
+            place] in ``_grads.py``). Pass False for a model that reads a
             parameter's value in backward after its gradient is complete (a
             ``detach()``-ed use), or that uses a parameter in several reentrant
             checkpointed regions (an error says so). Default True.
@@ -194,7 +194,7 @@ def fully_shard(
                 "call it once per module (bottom-up: blocks first, then the root)"
             )
     mp_policy = _mixed_precision(mp_policy)
-    _check_unsupported(modules, offload_policy)
+    _check_unsupported(offload_policy)
     if mesh is None:
         if not dist.is_initialized():
             raise ValueError(
@@ -325,7 +325,7 @@ def _mixed_precision(policy) -> MixedPrecisionPolicy:
     )
 
 
-def _check_unsupported(modules, offload_policy) -> None:
+def _check_unsupported(offload_policy) -> None:
     if not isinstance(offload_policy, OffloadPolicy):
         raise ValueError(
             "fully_shard: offload_policy must be a torch.distributed.fsdp.OffloadPolicy or "
@@ -843,8 +843,8 @@ class FSDPModule(TorchFSDPModule):
         that a backward started at its end (the sharded ``.grad``s are set then), which
         only forgoes overlapping the last of them with the next microbatch's forward.
         With ``set_requires_gradient_sync(False)``, as those schedules pair it, a
-        backward starts none."""
-        _checked_state(self).is_last_backward = bool(is_last_backward)
+        backward starts none. So nothing is kept of ``is_last_backward``."""
+        _checked_state(self)
 
     def set_custom_all_gather(self, comm) -> None:
         """Run every all-gather of this module's group through ``comm`` (FSDP2's

@@ -21,6 +21,7 @@ buffer (the same object each time), so views can key dictionaries.
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -36,10 +37,23 @@ if TYPE_CHECKING:
 
 __all__ = ["BufferView", "ParamSlice", "buffer_of", "buffers_of"]
 
-# A sharded parameter knows its (group, index): how buffer_of finds its buffer.
-# An attribute, not a weak-keyed registry: Module._apply swaps tensors (swap_tensors),
-# which refuses tensors that have weak references.
+# A sharded parameter knows its (weak reference to its group, index): how buffer_of finds
+# its buffer. Weak, so that the group (which holds the parameter) and its storages go with
+# the model's last reference, not at a garbage collection: see
+# [Note: freed without the garbage collector] in ``_weak.py``. An attribute, not a
+# weak-keyed registry: Module._apply swaps tensors (swap_tensors), which refuses tensors
+# that have weak references.
 OWNER_ATTR = "_raggedfsdp_owner"
+
+
+def _owner(param: torch.Tensor) -> tuple[ParamGroup, int] | None:
+    """The (group, index) of a sharded parameter whose group is alive, else None."""
+    owner = getattr(param, OWNER_ATTR, None)
+    if owner is None:
+        return None
+    group_ref, index = owner
+    group = group_ref()
+    return None if group is None else (group, index)
 
 
 @dataclass(frozen=True)
@@ -102,10 +116,20 @@ class BufferView:
     (``grads_in_params=False``, accumulation without sync, no reshard after backward).
     """
 
-    __slots__ = ("_group",)
+    __slots__ = ("_group_ref",)
 
     def __init__(self, group: ParamGroup):
-        self._group = group
+        self._group_ref = weakref.ref(group)  # the group holds its view: weak back
+
+    @property
+    def _group(self) -> ParamGroup:
+        group = self._group_ref()
+        if group is None:
+            raise RuntimeError(
+                "BufferView: its model was freed (the view outlived the last reference to "
+                "the fully_shard module); take views from buffers_of(model) while it lives"
+            )
+        return group
 
     def __repr__(self) -> str:
         return f"BufferView({len(self.params)} params, {self.layout.describe()})"
@@ -236,7 +260,7 @@ class BufferView:
         Raises:
             ValueError: ``param`` is not a parameter of this buffer.
         """
-        owner = getattr(param, OWNER_ATTR, None)
+        owner = _owner(param)
         if owner is None or owner[0] is not self._group:
             raise ValueError(
                 "BufferView.slice_of: the tensor is not a sharded parameter of this buffer; "
@@ -266,7 +290,7 @@ class BufferView:
 
 def buffer_of(param: torch.Tensor) -> tuple[BufferView, ParamSlice] | None:
     """``(its buffer, its slice)`` for a parameter sharded by ``fully_shard``, else None."""
-    owner = getattr(param, OWNER_ATTR, None)
+    owner = _owner(param)
     if owner is None:
         return None
     group, index = owner

@@ -11,6 +11,7 @@ group's buffers, references and settings, defined in ``_param_group.py``.
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
@@ -580,8 +581,12 @@ def _run_post_accumulate_grad_hooks(param: nn.Parameter) -> None:
 
 
 def mark_got_grad(ref: ParamRef):
+    held = weakref.ref(ref)  # the hook is on ref's own parameter: weak back
+
     def hook(_param):
-        ref.got_grad = True
+        alive = held()
+        if alive is not None:
+            alive.got_grad = True
 
     return reads_no_parameters(hook)
 

@@ -3,7 +3,7 @@ collective each way."""
 
 from __future__ import annotations
 
-import functools
+import weakref
 from collections.abc import Callable
 from typing import cast
 
@@ -23,6 +23,7 @@ from raggedfsdp.fsdp._state import PostForwardGroup
 from raggedfsdp.fsdp._subclass import SubclassGather, values_of
 from raggedfsdp.fsdp._tp import tp_spec_of
 from raggedfsdp.fsdp._trace import phase
+from raggedfsdp.fsdp._weak import WeakPartial
 from raggedfsdp.fsdp.dbuffer import DBuffer
 from raggedfsdp.planner import BufferLayout, TensorSpec
 from raggedfsdp.tensor.collectives import all_gather_single, completed_work
@@ -35,17 +36,7 @@ __all__ = [
     "PendingGather",
     "PendingReduce",
     "ShardedState",
-    "owner_of",
 ]
-
-
-def owner_of(param: torch.Tensor) -> tuple[ParamGroup, ParamRef] | None:
-    """The ``(ParamGroup, ParamRef)`` of a sharded parameter, or None for other tensors."""
-    owner = getattr(param, OWNER_ATTR, None)
-    if owner is None:
-        return None
-    group, index = owner
-    return group, group.refs[index]
 
 
 def _laid_out(refs, originals, mesh, spmd: SPMDMesh | None) -> list[torch.Tensor]:
@@ -149,6 +140,7 @@ class ParamGroup(GradientPath):
         subclass: bool = False,
     ):
         self.refs: list[ParamRef] = refs
+        self._index_of = {id(ref): i for i, ref in enumerate(refs)}  # see _make_sharded
         self.view = BufferView(self)  # the public handle (raggedfsdp.fsdp.buffers_of)
         self.name = (
             f"{name}({', '.join(r.fqn for r in refs[:3])}{', ...' if len(refs) > 3 else ''})"
@@ -182,7 +174,10 @@ class ParamGroup(GradientPath):
             raise AssertionError(f"fully_shard group {self.name}: its layout holds other tensors")
         self.layout = layout
         self.fp8 = None if fp8 is None else Fp8Layout(layout, fp8)
-        self.subclass = SubclassGather(self, originals) if subclass else None
+        # a proxy: the group holds its SubclassGather, which reads the group's fields (see
+        # [Note: freed without the garbage collector] in ``_weak.py``)
+        me = cast("ParamGroup", weakref.proxy(self))
+        self.subclass = SubclassGather(me, originals) if subclass else None
         self.dbuf = self._new_dbuf(shard_device)
         for ref, p in zip(refs, originals):
             ref.placement = RaggedShard.from_layout(self.layout, ref.fqn)
@@ -267,7 +262,7 @@ class ParamGroup(GradientPath):
             cast(DTensor, ref.sharded)._local_tensor = dt._local_tensor
             cast(DTensor, ref.sharded)._spec = dt._spec  # an adopted DTensor's placements
         if not self._holds(ref):  # a parameter of its own rows is in no buffer (buffer_of)
-            setattr(ref.sharded, OWNER_ATTR, (self, self.refs.index(ref)))
+            setattr(ref.sharded, OWNER_ATTR, (weakref.ref(self), self._index_of[id(ref)]))
 
     def _holds(self, ref: ParamRef) -> bool:
         """A subclass parameter holding rows of its own, not a view of the shard storage
@@ -598,7 +593,7 @@ class ParamGroup(GradientPath):
                     view = ref.tp.unsharded(view, ref.requires_grad)
                 ref.unsharded = nn.Parameter(view, requires_grad=ref.requires_grad)
                 if ref.requires_grad:
-                    hook = reads_no_parameters(functools.partial(self._first_grad_hook, ref))
+                    hook = reads_no_parameters(WeakPartial(self._first_grad_hook, ref))
                     ref.hooks.append(ref.unsharded.register_hook(hook))
                     ref.hooks.append(
                         ref.unsharded.register_post_accumulate_grad_hook(mark_got_grad(ref))

@@ -15,6 +15,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from raggedfsdp.fsdp._tp import TPSpec
+from raggedfsdp.fsdp._weak import WeakPairs
 from raggedfsdp.tensor.placement import RaggedShard
 
 __all__ = ["ParamRef", "PendingGather", "PendingReduce", "ShardedState"]
@@ -66,6 +67,11 @@ class ParamRef:
     hooks: list = field(default_factory=list)
     origin: int = -1  # the parameter fully_shard got, by uid (FSDP2's _orig_param_uid)
     resharded: bool = False  # an earlier fully_shard call sharded that parameter too
+
+    def __post_init__(self) -> None:
+        # the modules hold the group that holds this record: weak back, see
+        # [Note: freed without the garbage collector] in ``_weak.py``
+        self.uses = WeakPairs(self.uses)
 
     @property
     def param(self) -> nn.Parameter:

@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import enum
 import warnings
+import weakref
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, ClassVar, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -34,6 +35,7 @@ from raggedfsdp.fsdp._device import new_group_like
 from raggedfsdp.fsdp._hooks import may_read_parameters
 from raggedfsdp.fsdp._policy import MixedPrecisionPolicy
 from raggedfsdp.fsdp._trace import phase
+from raggedfsdp.fsdp._weak import WeakList
 
 if TYPE_CHECKING:
     from raggedfsdp.fsdp._group_set import GroupSet
@@ -53,20 +55,37 @@ _STATE_ATTR = "_raggedfsdp_state"
 _HOOKS = ("_pre_forward", "_post_forward", "_pre_backward", "_post_backward", "_final_callback")
 
 
-def _run_hooks_eagerly(state: FSDPState) -> None:
-    """Make ``state``'s hooks run eagerly under ``torch.compile`` (as FSDP2 does its hooks).
+def _run_hooks_eagerly(cls: type[FSDPState]) -> None:
+    """Make the state's hooks run eagerly under ``torch.compile`` (as FSDP2 does its hooks).
 
     [Note: hooks and torch.compile]
     A block compiled with ``fullgraph=True`` (torchtitan compiles each block, then
     shards it) calls these hooks from its compiled ``_call_impl``: they manage storages
     (``untyped_storage().resize_``), collectives and Python state that dynamo cannot
     trace, so dynamo skips them and the compiled region is the module's own compute.
-    Done per state, when ``fully_shard`` runs: ``torch._dynamo`` is not imported by
-    ``import raggedfsdp``.
+    Done once for the class, when ``fully_shard`` first runs: ``torch._dynamo`` is not
+    imported by ``import raggedfsdp``; and a state holding wrapped bound methods of its
+    own would be a reference cycle (see [Note: freed without the garbage collector]).
     """
+    if cls._hooks_run_eagerly:
+        return
     for name in _HOOKS:
-        hook = getattr(state, name)
-        setattr(state, name, torch._dynamo.disable(hook, recursive=True, reason="raggedfsdp"))
+        hook = cls.__dict__[name]
+        setattr(cls, name, torch._dynamo.disable(hook, recursive=True, reason="raggedfsdp"))
+    cls._hooks_run_eagerly = True
+
+
+def _reshard_hook(group: GroupSet):
+    """A state-dict pre-hook that reshards ``group``, holding it weakly (see [Note: freed
+    without the garbage collector] in ``_weak.py``)."""
+    held = weakref.ref(group)
+
+    def hook(*args, **kwargs) -> None:
+        alive = held()
+        if alive is not None:
+            alive.reshard()
+
+    return hook
 
 
 def state_of(module: nn.Module) -> FSDPState | None:
@@ -128,6 +147,8 @@ class FSDPState:
     forming one group: the group unshards before the first of them runs forward and
     reshards after the last)."""
 
+    _hooks_run_eagerly: ClassVar[bool] = False  # see _run_hooks_eagerly
+
     def __init__(
         self,
         modules: Sequence[nn.Module],
@@ -136,7 +157,7 @@ class FSDPState:
         mp_policy: MixedPrecisionPolicy,
         reshard_after_forward: bool | int | None,
     ):
-        self.modules = tuple(modules)
+        self._modules = tuple(weakref.ref(m) for m in modules)  # they hold this state
         self.group = group
         self.name = group.name if group is not None else type(modules[0]).__name__
         self.mesh = mesh
@@ -145,32 +166,48 @@ class FSDPState:
         self.set_reshard_after_forward(reshard_after_forward)
         self.training_state = TrainingState.IDLE
         self.is_root: bool | None = None
-        self.root: FSDPState | None = None
-        self.forward_prefetch: list[FSDPState] | None = None  # explicit, else recorded order
+        self._root: weakref.ref[FSDPState] | None = None
+        # explicit, else recorded order; held weakly, as every list of states below (see
+        # [Note: freed without the garbage collector] in ``_weak.py``)
+        self.forward_prefetch: list[FSDPState] | None = None
         self.backward_prefetch: list[FSDPState] | None = None
         self._pending_post_backward = 0
         self._forward_pending: set[int] = set()  # ids of this group's modules yet to run
         self.unshard_in_backward = True
         self.max_reduces_in_flight = 1
-        self.is_last_backward = True  # set_is_last_backward: recorded (see FSDPModule's)
         self.post_optim_event = None  # set_post_optim_event: the next gathers wait on it
         # root only
-        self._states: list[FSDPState] = []
-        self._forward_order: list[FSDPState] = []
+        self._states: list[FSDPState] = WeakList()
+        self._forward_order: list[FSDPState] = WeakList()
         self._recording = True
         # This iteration's post-forwards, in order and with multiplicity: a group's
         # pre-backward prefetches the group that finished forward just before its own
         # matching post-forward (as FSDP2's post_forward_order)
-        self._post_forward_order: list[FSDPState] = []
+        self._post_forward_order: list[FSDPState] = WeakList()
         self._post_forward_indices: list[int] = []  # this group's places in the root's
         self._callback_queued = False
-        self._reduce_order: list[FSDPState] = []  # groups in the order they started reducing
+        self._reduce_order: list[FSDPState] = WeakList()  # in the order they started reducing
         self._state_dict_hooked = False  # see lazy_init_group
-        _run_hooks_eagerly(self)
+        _run_hooks_eagerly(type(self))
         for module in self.modules:
             module.__dict__[_STATE_ATTR] = self
             module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
             module.register_forward_hook(self._post_forward, with_kwargs=True)
+
+    @property
+    def modules(self) -> tuple[nn.Module, ...]:
+        """The modules passed to ``fully_shard`` (held weakly: each holds this state)."""
+        return tuple(m for m in (ref() for ref in self._modules) if m is not None)
+
+    @property
+    def root(self) -> FSDPState | None:
+        """The root's state once lazily initialized (held weakly: the root holds this
+        state in its ``_states``)."""
+        return None if self._root is None else self._root()
+
+    @root.setter
+    def root(self, state: FSDPState | None) -> None:
+        self._root = None if state is None else weakref.ref(state)
 
     # ---- settings (FSDPModule's set_* methods call these) ---------------------------------
     def set_reshard_after_forward(self, value: bool | int | None) -> None:
@@ -247,16 +284,16 @@ class FSDPState:
     def set_prefetch(self, *, forward: list[FSDPState] | None = None, backward=None) -> None:
         """Groups to all-gather at the start of this module's forward / backward."""
         if forward is not None:
-            self.forward_prefetch = forward
+            self.forward_prefetch = WeakList(forward)
         if backward is not None:
-            self.backward_prefetch = backward
+            self.backward_prefetch = WeakList(backward)
 
     # ---- root -----------------------------------------------------------------------------
     def _lazy_init(self) -> None:
         self.is_root = True
         self.root = self
         states = (state_of(m) for top in self.modules for m in top.modules())
-        self._states = list(dict.fromkeys(s for s in states if s is not None))
+        self._states = WeakList(dict.fromkeys(s for s in states if s is not None))
         for s in self._states:
             if s is not self:
                 if s.is_root:
@@ -285,10 +322,9 @@ class FSDPState:
         if self.group is None or self._state_dict_hooked:
             return
         self.group.adopt_registered()
-        group = self.group
-        holders = {id(ref.uses[0][0]): ref.uses[0][0] for ref in group.refs}
-        for module in holders.values():
-            module.register_state_dict_pre_hook(lambda *args, **kwargs: group.reshard())
+        holders = {id(ref.uses[0][0]): ref.uses[0][0] for ref in self.group.refs}
+        for module in holders.values():  # the group is held weakly: modules are held by it
+            module.register_state_dict_pre_hook(_reshard_hook(self.group))
         self._state_dict_hooked = True
 
     def _validate_params(self) -> None:
@@ -398,7 +434,7 @@ class FSDPState:
             for s in self._states:  # not at all, starts afresh (FSDP2 resets it the same way)
                 s._forward_pending = set()
                 s._post_forward_indices = []
-            self._post_forward_order = []
+            self._post_forward_order = WeakList()
         root = self.root
         assert root is not None  # set by _lazy_init above
         if root._recording and self not in root._forward_order:
@@ -623,7 +659,7 @@ class FSDPState:
                 arrived += g.finalize_grads(got_grad[:n])
                 got_grad = got_grad[n:]
         self._callback_queued = False
-        self._reduce_order = []
+        self._reduce_order = WeakList()
         if pending and arrived:
             raise RuntimeError(
                 f"fully_shard: parameter(s) {arrived} got no gradient on rank "
@@ -643,7 +679,7 @@ class FSDPState:
             if s.group is not None:
                 s.group.reset_iter_state()
         self._callback_queued = False
-        self._reduce_order = []
+        self._reduce_order = WeakList()
 
 
 def _in_backward() -> bool:

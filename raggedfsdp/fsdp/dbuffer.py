@@ -10,8 +10,8 @@ global buffer of ``m * S`` elements, rank k owning ``[k * S, (k + 1) * S)``::
 
 - **shard storage** (``S`` elements, persistent): the sharded parameter of each
   tensor is a view of it (a ``RaggedShard`` DTensor over a view: no copy).
-- **global storage** (``m * S`` elements): allocated by ``alloc_global`` and freed
-  by ``free_global`` as a whole (``untyped_storage().resize_``), so the unsharded
+- **global storage** (``m * S`` elements): allocated by ``global_params.alloc`` and freed
+  by ``global_params.free`` as a whole (``untyped_storage().resize_``), so the unsharded
   parameters, views of it, stay valid for autograd across free / alloc.
 - ``all_gather``: the shard storage (or one cast of it under mixed precision) is
   the all-gather input and the global storage its output: no copy-in, no copy-out.

@@ -92,24 +92,36 @@ def parse_mesh_pairs(
     return sizes
 
 
-def parse_hsdp_mesh(text: str, example: str, takes: str, if_missing: str) -> tuple[int, int]:
-    """``--mesh replicate=R,shard=S`` (both dims, any order) as ``(R, S)``.
+def parse_hsdp_mesh(text: str, world: int | None, command: str) -> tuple[int, int]:
+    """``--mesh replicate=R,shard=S`` (both dims, any order) of an HSDP-only command
+    (``plan``, ``simulate``) as ``(R, S)``, checked against its ``--world`` if given.
 
     Args:
-        text, example, takes: as for ``parse_mesh_pairs``.
-        if_missing: what the message for a missing dim adds after the example.
+        text: the ``--mesh`` value.
+        world: the command's ``--world``, or None when it was not given.
+        command: the command's name, for the messages.
 
     Raises:
-        ValueError: what ``parse_mesh_pairs`` raises, or a missing dim.
+        ValueError: what ``parse_mesh_pairs`` raises, a missing dim, or a ``world``
+            other than ``R * S``.
         NotImplementedError: a dim in ``NOT_YET_DIMS``.
     """
+    example = "e.g. --mesh replicate=2,shard=4"
+    takes = f"{command} takes HSDP meshes: pass replicate=R,shard=S"
     sizes = parse_mesh_pairs(text, HSDP_DIMS, NOT_YET_DIMS, example, takes)
     missing = [name for name in HSDP_DIMS if name not in sizes]
     if missing:
         raise ValueError(
-            f"--mesh {text!r}: the {missing[0]!r} dim is missing; give both, {example} {if_missing}"
+            f"--mesh {text!r}: the {missing[0]!r} dim is missing; give both, {example} "
+            "(replicate=1 is plain FSDP)"
         )
-    return sizes["replicate"], sizes["shard"]
+    r, s = sizes["replicate"], sizes["shard"]
+    if world is not None and world != r * s:
+        raise ValueError(
+            f"--world {world} and --mesh {text} ({r} x {s} = {r * s} ranks) disagree; drop "
+            f"--world (the mesh gives it) or make it {r * s}"
+        )
+    return r, s
 
 
 _MESH_EXAMPLE = "e.g. --mesh replicate=2,shard=2, --mesh dp=2,tp=2 or --mesh ep=2"

@@ -139,7 +139,7 @@ def muon_block_policy(
     ``Muon.step``. For each group that ``fully_shard`` will make, the planner is
     asked to keep every Muon matrix (each member of a stack) whole; where that
     costs more padding than ``max_extra_padding``, matrices are made whole one at a
-    time, smallest first (``_muon_plan.plan_whole_matrices``).
+    time, smallest first (``muon_plan.plan_whole_matrices``).
 
     Args:
         model: the model, before ``fully_shard`` (it may be on ``meta``).

@@ -5,7 +5,7 @@ For parameters sharded by ``fully_shard``, the moments live in flat tensors laid
 out like the buffer's shard storage (``S`` elements), and ``self.state[p]`` holds
 ``RaggedShard`` DTensor *views* of them, so ``state_dict`` and DCP see ordinary
 per-parameter state. A buffer that [Note: whole-buffer steps] lets step whole
-(``_flat.py``) takes ~8 kernels plus one per run of equal weight decay, instead of
+(``flat.py``) takes ~8 kernels plus one per run of equal weight decay, instead of
 ~8 per parameter; every other parameter steps alone over the same views (plain
 tensors and DTensors of other placements over their own moments). Both paths
 compute exactly what ``torch.optim.AdamW(foreach=False)`` computes: the same ops in

@@ -6,7 +6,7 @@ size, so sharding never changes which parameters are 8-bit; torchao decides from
 the local shard, pytorch/ao#4912) is stored as a uint8 code per element and one
 fp32 scale per quantization block of ``block_size`` (B) elements, counted from the
 parameter's own element 0 (for a stacked ``[E, ...]`` tensor, from each member's):
-see [Note: dynamic tree quantization] in ``_quant.py`` for the codes. Smaller
+see [Note: dynamic tree quantization] in ``quant.py`` for the codes. Smaller
 parameters keep fp32 moments.
 
 ``adamw8bit_block_policy`` gives ``fully_shard`` RaggedShard blocks that are whole
@@ -54,7 +54,7 @@ For parameters sharded by ``fully_shard`` the codes live in two flat uint8 tenso
 of S elements (like the buffer's shard storage) and the scales in two flat fp32
 tensors with one entry per block of the shard (the gaps between 8-bit parameters
 count as blocks too); ``state[p]`` holds views. A buffer that [Note: whole-buffer
-steps] (``_flat.py``) lets step whole is updated with a fixed number of kernels
+steps] (``flat.py``) lets step whole is updated with a fixed number of kernels
 (plus one per run of equal weight decay); every other parameter steps alone over
 the same views. A stack laid out with member gaps (``fully_shard(member_gaps=True)``)
 keeps its codes in the same flat tensors, at its members' positions: each member's
@@ -607,7 +607,7 @@ def _with_member_gaps(lengths: list[int], s) -> list[int]:
     return out
 
 
-# [Note: bit-identical under any sharding] (see _quant.py): single correctly rounded ops only.
+# [Note: bit-identical under any sharding] (see quant.py): single correctly rounded ops only.
 def _moments(m, v, grad, beta1, beta2) -> None:
     """``m = beta1 m + (1 - beta1) g`` and ``v = beta2 v + (1 - beta2) g^2``, in place."""
     m.mul_(beta1).add_(grad * (1 - beta1))

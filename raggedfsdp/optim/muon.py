@@ -7,7 +7,7 @@ update itself) is element-wise. So, per step:
 
 1. momentum and the Nesterov mix run on each rank's own rows (element-wise);
 2. every matrix (a 2-D parameter, or each member of an ``[E, out, in]`` stack)
-   has a root rank, chosen to balance NS FLOPs (``_muon_plan.assign_roots``);
+   has a root rank, chosen to balance NS FLOPs (``muon_plan.assign_roots``);
    the ranks holding its rows send them to the root: what
    ``redistribute(mesh, [RaggedShard(dims, units with every block on the root)])``
    does, one all-to-all;
@@ -16,7 +16,7 @@ update itself) is element-wise. So, per step:
 
 A matrix that one rank holds whole (``muon_block_policy`` arranges this wherever
 the planner can do it cheaply) is rooted there and moves no byte. The others
-travel in rounds (see [Note: Muon roots] in ``_muon_plan``): one all-to-all per
+travel in rounds (see [Note: Muon roots] in ``muon_plan``): one all-to-all per
 round carries the pieces of several matrices. All gathers are issued
 asynchronously up front; while a round's gather is still in flight the rank runs
 NS of its communication-free matrices, then the round's NS as soon as its pieces
@@ -228,7 +228,7 @@ class Muon(FlatAdamW):
     matrices: [Note: Muon under TP and EP]); plain tensors and
     ``Replicate`` DTensors are whole on every rank and computed there. The AdamW
     groups step as ``FlatAdamW`` does: a buffer whose trainable parameters are all
-    in AdamW groups steps whole (see [Note: whole-buffer steps] in ``_flat.py``).
+    in AdamW groups steps whole (see [Note: whole-buffer steps] in ``flat.py``).
 
     Args:
         params: parameters or parameter groups.

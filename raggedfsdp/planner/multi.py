@@ -23,7 +23,7 @@ apart). A group whose whole padding costs less than one more buffer (and whose o
 buffer is not bloated, below) is not searched at all. The search runs once per group
 structure (shapes, blocks, stacks: every layer of a model shares it), on cached plans
 of the candidate parts, and only the chosen parts get their tensors' names.
-``plan_buffers_exact`` (in ``_exact.py``) is the reference: every partition, each
+``plan_buffers_exact`` (in ``exact.py``) is the reference: every partition, each
 buffer solved by HiGHS, the same objective.
 
 Cost: what a split costs a training step, in time and at the memory peak, counted in

@@ -1,4 +1,4 @@
-"""The application: ``python -m raggedfsdp train`` (``_cli``, ``_loop``), its data and reports.
+"""The application: ``python -m raggedfsdp train`` (``cli.train``, ``loop``), its data and reports.
 
 ``data``: the demo corpus and its world-size-invariant batches. ``report``: the metrics
 a run writes, its loss curves, and the units the demo and the benchmarks print.

@@ -1,17 +1,17 @@
 """Every check of ``python -m raggedfsdp train``'s arguments that can run before a rank starts.
 
 An error found inside the ranks costs 10-20 s and prints three tracebacks; found here,
-it is one line and nothing is written (``_cli`` turns the ``ValueError`` into a usage
+it is one line and nothing is written (``cli.train`` turns the ``ValueError`` into a usage
 error). What is checked: the launch (ranks, nodes, rendezvous), each number's range,
 the mesh (``parse_train_mesh``: its dims, their product, the model's heads and experts
 against them), the data (readable text or a sound token file, its ids within the model's
 vocabulary, long enough for a sequence in each split that is used), the block size
-against the model's shapes (``_policy.check_block_rows``), the memory a step needs
-(``_resources.check_memory``), the run folder (``_rundir.check_out``: ownership,
-``--resume``, ``--resume-from``) and what it can hold (``_resources.check_storage``:
+against the model's shapes (``policy.check_block_rows``), the memory a step needs
+(``resources.check_memory``), the run folder (``rundir.check_out``: ownership,
+``--resume``, ``--resume-from``) and what it can hold (``resources.check_storage``:
 writable, room for a checkpoint).
 
-The mesh forms ``--mesh`` takes: [Note: mesh specs] in ``raggedfsdp/models/parallelize.py``.
+The mesh forms ``--mesh`` takes: [Note: mesh specs] in ``raggedfsdp/models/mesh.py``.
 """
 
 from __future__ import annotations
@@ -407,7 +407,7 @@ def check_args(args) -> tuple[int, str]:
 
     Returns:
         ``(start, digest)``: the step the job starts at (0, or the checkpoint's on
-        ``--resume``) and the sha256 of the data (``_rundir.data_digest``).
+        ``--resume``) and the sha256 of the data (``rundir.data_digest``).
     """
     from raggedfsdp.models import CATALOGUE
     from raggedfsdp.models.hf import is_hf_model

@@ -1,8 +1,8 @@
-"""One rank of ``python -m raggedfsdp train`` (started by torchrun; see ``_cli``).
+"""One rank of ``python -m raggedfsdp train`` (started by torchrun; see ``cli.train``).
 
 Writes, on rank 0, ``metrics.jsonl`` (one line per step, plus validation lines),
 ``summary.json`` (throughput, memory, communication, copies, padding of the run)
-and ``loss.png``, each whole or not at all ([Note: run files are whole] in ``_rundir``);
+and ``loss.png``, each whole or not at all ([Note: run files are whole] in ``rundir``);
 every rank writes its shards of the checkpoints under ``ckpt/``.
 The arguments come from the launcher, already checked, in ``RAGGEDFSDP_TRAIN_ARGS``.
 
@@ -485,7 +485,7 @@ def _train(args, where: Where, device: torch.device) -> int:
 
 
 def main() -> int:
-    """Run this rank; return its exit code (see [Note: how a rank fails] in ``_guard``)."""
+    """Run this rank; return its exit code (see [Note: how a rank fails] in ``guard``)."""
     die_with_launcher()
     args = argparse.Namespace(**json.loads(os.environ[ARGS_ENV]))
     where = Where()

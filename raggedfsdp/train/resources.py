@@ -205,7 +205,7 @@ def estimate_step_memory(args, mesh: MeshSpec, data_bytes: int = 0) -> StepMemor
 
     Args:
         args: the checked arguments (model, batch, sequence, optimizer, precision, ranks).
-        mesh: their ``--mesh`` (``_checks.parse_train_mesh``).
+        mesh: their ``--mesh`` (``checks.parse_train_mesh``).
         data_bytes: the corpus's bytes (every rank holds them). Default 0.
 
     Returns:

@@ -21,6 +21,7 @@ sizes. See [Note: gradients in place] and [Note: gradient storage] in
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -201,3 +202,64 @@ def _check(rank: int, world: int) -> None:
 
 def test_gradient_storage_and_unsharded_groups():
     spawn(WORLD, _check)
+
+
+# ---- a sharded model goes with its last reference ---------------------------------------------
+def _train_and_drop(mesh, grouping: str, prefetch: bool, **kw) -> list:
+    """Shard, train two steps (forward, backward, optimizer step), drop every reference
+    but weak ones: to the model, each group, its DBuffer and its storages."""
+    import weakref
+
+    from raggedfsdp.optim import AdamW
+
+    model = _build(fully_shard, grouping, mesh, **kw)
+    blocks = list(model.transformer_blocks())
+    if prefetch:  # explicit prefetch both ways: states that name each other
+        for a, b in zip(blocks, blocks[1:]):
+            a.set_modules_to_forward_prefetch([b])
+            b.set_modules_to_backward_prefetch([a])
+    opt = AdamW(model.parameters(), lr=1e-2)
+    for step in range(2):
+        x, y = _batch(dist.get_rank(), step)
+        lm_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    views = buffers_of(model)
+    groups = [v._group for v in views]
+    held = [model, *groups, *(g.dbuf for g in groups), *(v.shard for v in views)]
+    held += [g.dbuf.global_params.tensor for g in groups]
+    refs = [weakref.ref(obj) for obj in held]
+    del model, blocks, opt, groups, held
+    return [refs, views]
+
+
+def _freed_without_the_collector(rank, world):
+    import gc
+
+    mesh = init_device_mesh("cpu", (world,))
+    _train_and_drop(mesh, "blocks", False)  # the first run imports torch._dynamo: its cycles
+    gc.collect()
+    cases = {
+        "blocks": dict(grouping="blocks", prefetch=False),
+        "titan, prefetch, no reshard after forward, gradient storage": dict(
+            grouping="titan", prefetch=True, reshard_after_forward=False, grads_in_params=False
+        ),
+    }
+    gc.disable()  # nothing here may wait for a collection
+    try:
+        for name, kw in cases.items():
+            refs, views = _train_and_drop(mesh, **kw)
+            alive = [type(r()).__name__ for r in refs if r() is not None]
+            assert alive == [], f"{name}: still alive after the last reference: {alive}"
+            # a view kept past its model says so (its group is gone with the model)
+            with pytest.raises(RuntimeError, match=r"BufferView: its model was freed"):
+                views[0].layout.describe()
+    finally:
+        gc.enable()
+
+
+def test_a_sharded_model_is_freed_with_its_last_reference():
+    """No reference cycle holds a trained sharded model: with the garbage collector off,
+    dropping the model (and its optimizer) frees its groups and storages at once. See
+    [Note: freed without the garbage collector]."""
+    spawn(WORLD, _freed_without_the_collector)

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import collections
 import functools
+import gc
+import weakref
 
 import pytest
 import torch
@@ -442,7 +444,7 @@ def test_subclass_all_gather_equals_fsdp2():
 # ---- meta-device init -------------------------------------------------------------------------
 def _meta_init(rank, world):
     """On meta, sharded, ``to_empty``, loaded: the weights keep their class, and train as a
-    model sharded from real weights."""
+    model sharded from real weights; both are freed with their last references."""
     mesh = init_device_mesh("cpu", (world,))
     with torch.device("meta"):
         model = _Model()
@@ -460,6 +462,20 @@ def _meta_init(rank, world):
     got = _train(model, rank)
     assert torch.equal(got["losses"], want["losses"]), (got["losses"], want["losses"])
     assert got["calls"] == want["calls"], (got["calls"], want["calls"])
+
+    # Both trained models (their groups hold SubclassGathers, whose entries hold modules) go
+    # with their last references, the garbage collector off: no reference cycle holds them.
+    views = buffers_of(model) + buffers_of(reference)
+    refs = [weakref.ref(obj) for obj in (model, reference, *(v._group for v in views))]
+    del views, params
+    gc.collect()  # only what torch's first imports left
+    gc.disable()
+    try:
+        del model, reference
+        alive = [type(r()).__name__ for r in refs if r() is not None]
+        assert alive == [], f"still alive after the last reference: {alive}"
+    finally:
+        gc.enable()
 
 
 def test_meta_init_keeps_the_subclass():

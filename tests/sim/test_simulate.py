@@ -18,7 +18,7 @@ import re
 import pytest
 import torch
 
-from raggedfsdp.cli.simulate import cross_check, main, plot_timeline
+from raggedfsdp.cli.simulate import main
 from raggedfsdp.tools.simulate import (
     SimConfig,
     build_model,
@@ -27,6 +27,7 @@ from raggedfsdp.tools.simulate import (
     shard_model,
     simulate,
 )
+from raggedfsdp.tools.simulate_results import cross_check, plot_timeline
 
 WORLD = 64
 CFG = {"model": "moe-tiny", "world": WORLD, "layers": 2, "seq": 32, "warmup": 1}
@@ -191,7 +192,7 @@ def test_cli_json():
     [
         (
             ["--mesh", "replicate=4"],
-            "--mesh 'replicate=4': the 'shard' dim is missing; give both, e.g. --mesh replicate=4,",
+            "--mesh 'replicate=4': the 'shard' dim is missing; give both, e.g. --mesh replicate=2,",
         ),
         (
             ["--mesh", "replicate=2,shard=4", "--world", "16"],

@@ -17,7 +17,7 @@ import sys
 import pytest
 import torch
 
-from raggedfsdp.cli.simulate import format_sweep, main, plot_sweep, sweep_row
+from raggedfsdp.cli.simulate import format_sweep, main, plot_sweep
 from raggedfsdp.models import (
     Transformer,
     get_config,
@@ -27,6 +27,7 @@ from raggedfsdp.models import (
     param_groups,
 )
 from raggedfsdp.tools.simulate import SimConfig, simulate
+from raggedfsdp.tools.simulate_results import sweep_row
 
 # A GPT-2-style config: LayerNorms with biases, biased projections, a GELU MLP, learned
 # positions, and a head with a bias (its 1-D bias is longer than a shard at 8 ranks).

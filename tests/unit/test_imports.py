@@ -88,3 +88,38 @@ def test_an_untested_torch_is_refused_unless_asked_for():
         assert done.returncode == 0, done.stderr[-3000:]
         (message,) = ast.literal_eval(done.stdout.strip().splitlines()[-1])
         assert "found torch 2.11.0+cu130" in message and expected in message, message
+
+
+def test_moved_paths_are_the_new_modules_with_a_deprecation_warning():
+    """``import raggedfsdp.placement`` (and the other three old paths) gives the moved
+    module itself, once warned; so do ``raggedfsdp.placement`` and ``from raggedfsdp
+    import placement``."""
+    moved = {
+        "placement": "raggedfsdp.tensor.placement",
+        "dbuffer": "raggedfsdp.fsdp.dbuffer",
+        "profiling": "raggedfsdp.tools.profiling",
+        "simulate": "raggedfsdp.tools.simulate",
+    }
+    code = (
+        "import importlib, sys, warnings\nimport raggedfsdp\nfound = []\n"
+        f"for old, new in {moved!r}.items():\n"
+        "    with warnings.catch_warnings(record=True) as seen:\n"
+        "        warnings.simplefilter('always')\n"
+        "        module = importlib.import_module('raggedfsdp.' + old)\n"
+        "    found.append((module is sys.modules[new] is getattr(raggedfsdp, old),\n"
+        "                  [(w.category.__name__, str(w.message)) for w in seen]))\n"
+        "print(found)"
+    )
+    assert _imported(code) == [
+        (
+            True,
+            [
+                (
+                    "DeprecationWarning",
+                    f"raggedfsdp.{old} moved to {new}; import it from there (the old path "
+                    "goes in the next release)",
+                )
+            ],
+        )
+        for old, new in moved.items()
+    ]

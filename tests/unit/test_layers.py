@@ -2,7 +2,9 @@
 
 Three rules, checked on the files themselves (no import runs):
 
-* the root package holds only ``__init__.py``, ``__main__.py`` and the layer folders;
+* the root package holds only ``__init__.py``, ``__main__.py``, the layer folders and
+  the deprecated paths of moved modules (``placement.py`` and the like), each of which
+  imports nothing but its new module;
 * no import circle between files, counting imports inside functions too (a lazy
   import hides a circle from Python, not from a reader); imports under
   ``if TYPE_CHECKING:`` name types for annotations and never run, so they do not count;
@@ -71,9 +73,24 @@ def _target(name: str) -> str:
     raise AssertionError(f"{name} names no module of the package")
 
 
-def test_root_holds_only_entry_points_and_layer_folders():
+# The old path of each moved module that still imports (for one release) -> its new module.
+MOVED = {
+    "raggedfsdp.dbuffer": "raggedfsdp.fsdp.dbuffer",
+    "raggedfsdp.placement": "raggedfsdp.tensor.placement",
+    "raggedfsdp.profiling": "raggedfsdp.tools.profiling",
+    "raggedfsdp.simulate": "raggedfsdp.tools.simulate",
+}
+
+
+def test_root_holds_only_entry_points_layer_folders_and_moved_paths():
     files = sorted(p.name for p in PACKAGE.iterdir() if p.is_file() and p.suffix == ".py")
-    assert files == ["__init__.py", "__main__.py"]
+    moved = [f"{old.rpartition('.')[2]}.py" for old in MOVED]
+    assert files == sorted(["__init__.py", "__main__.py", *moved])
+    for old, new in MOVED.items():
+        path = PACKAGE / f"{old.rpartition('.')[2]}.py"
+        text = path.read_text()
+        assert _imports(path) == [] and f'NEW = "{new}"' in text, path.name
+        assert "sys.modules[__name__] = importlib.import_module(NEW)" in text, path.name
 
 
 def test_no_import_circle_between_files():

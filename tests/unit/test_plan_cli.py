@@ -323,8 +323,8 @@ def test_exact_splits(capsys, tmp_path):
          "'replicate:2'"),
         ("dp=2,shard=2", [], "unknown dim 'dp'; expected some of replicate, shard"),
         ("shard=2,shard=2", [], "'shard' is given twice"),
-        ("tp=2,shard=4", [], "the 'tp' dim (tensor parallel) is not supported yet; only HSDP "
-         "meshes are: pass replicate=R,shard=S"),
+        ("tp=2,shard=4", [], "the 'tp' dim (tensor parallel) is not supported yet; plan takes HSDP "
+         "meshes: pass replicate=R,shard=S"),
         ("replicate=2,ep=4", [], "the 'ep' dim (expert parallel) is not supported yet"),
         ("replicate=2,shard=4", ["--world", "4"], "--world 4 and --mesh replicate=2,shard=4 "
          "(2 x 4 = 8 ranks) disagree; drop --world (the mesh gives it) or make it 8"),
