@@ -107,8 +107,14 @@ _TORCH_SOURCES = (
     "optim",
 )
 # Names from the other libraries the comments compare with (Hugging Face's GPT-2,
-# DeepSpeed's ZeRO-3), which this environment does not hold.
-_OTHER_LIBRARIES = {"c_attn", "_padding_size", "_partition_param", "partition_parameters.py"}
+# DeepSpeed's ZeRO-3, Meta's DistributedShampoo), which this environment does not hold.
+_OTHER_LIBRARIES = {
+    "c_attn",
+    "_padding_size",
+    "_partition_param",
+    "partition_parameters.py",
+    "max_preconditioner_dim",
+}
 
 
 def _words(paths) -> set[str]:
