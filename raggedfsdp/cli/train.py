@@ -290,13 +290,18 @@ def first_failure(failures: dict) -> tuple[int, object]:
     one killed by a signal (it leaves no message), else one that failed on its own, else
     one that lost a peer (``PEER_LOST_EXIT``); the earliest, then the lowest, among equals.
     torchrun's own pick (the earliest timestamp, to the second) names the lowest rank of a
-    job whose ranks all ended within a second: most often a rank that only lost its peer."""
+    job whose ranks all ended within a second: most often a rank that only lost its peer.
+    A SIGTERM no earlier than another rank's own exit is torchrun's teardown of the ranks
+    still running (a stopped or hung one among them), not a cause: it comes last."""
     from raggedfsdp.train.guard import PEER_LOST_EXIT
 
     def cause(rank: int) -> tuple:
-        code = failures[rank].exitcode
-        kind = 0 if code < 0 else 2 if code == PEER_LOST_EXIT else 1
-        return kind, failures[rank].timestamp, rank
+        code, at = failures[rank].exitcode, failures[rank].timestamp
+        teardown = code == -signal.SIGTERM and any(
+            f.exitcode >= 0 and f.timestamp <= at for r, f in failures.items() if r != rank
+        )
+        kind = 3 if teardown else 0 if code < 0 else 2 if code == PEER_LOST_EXIT else 1
+        return kind, at, rank
 
     rank = min(failures, key=cause)
     return rank, failures[rank]

@@ -474,6 +474,8 @@ def _failures(codes: dict[int, int], stamp: float = 1000.0) -> dict:
         ({0: 3, 1: -9}, r"rank 1 was killed by signal 9 \(SIGKILL\)"),
         ({0: 3, 1: 1, 2: 3}, r"rank 1 exited with code 1 \(its message is above\) \(2 other"),
         ({0: 3}, r"rank 0 lost a peer in a collective \(a rank stopped or died without a word"),
+        # a stopped rank 1: rank 0 times out, then torchrun's teardown SIGTERMs rank 1
+        ({0: 3, 1: -15}, r"rank 0 lost a peer in a collective"),
     ],
 )
 def test_the_launcher_names_the_rank_that_failed_first_and_how(codes, match, tmp_path, capsys,
