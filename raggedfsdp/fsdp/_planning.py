@@ -205,18 +205,7 @@ def _new_group(refs, originals, mesh, spmd, options):
             # FSDP2's even chunks are (one more all-gather per parameter).
             planned = [layout for spec in part_specs for layout in plan([spec], how)]
         layouts += [(layout, how, by_hooks) for layout in planned]
-    for layout, _, _ in layouts:
-        logger.debug(
-            "fully_shard %s: a buffer of %d tensors over %d ranks: S = %d elements per rank, "
-            "padding %d of %d (%.2f%%)",
-            options.name,
-            len(layout.tensors),
-            world,
-            layout.shard_size,
-            layout.padding,
-            layout.global_size,
-            100.0 * layout.padding / max(layout.global_size, 1),
-        )
+    _log_layouts(options.name, [layout for layout, _, _ in layouts], world)
 
     def build(part_refs, part_originals, layout, how, by_hooks, name) -> ParamGroup:
         return ParamGroup(
@@ -242,6 +231,22 @@ def _new_group(refs, originals, mesh, spmd, options):
         parts = ([refs[i] for i in mine], [originals[i] for i in mine])
         groups.append(build(*parts, layout, how, by_hooks, f"{options.name}[buffer {k}]"))
     return groups
+
+
+def _log_layouts(name: str, layouts: list[BufferLayout], world: int) -> None:
+    """Each planned buffer's padding, at debug level."""
+    for layout in layouts:
+        logger.debug(
+            "fully_shard %s: a buffer of %d tensors over %d ranks: S = %d elements per rank, "
+            "padding %d of %d (%.2f%%)",
+            name,
+            len(layout.tensors),
+            world,
+            layout.shard_size,
+            layout.padding,
+            layout.global_size,
+            100.0 * layout.padding / max(layout.global_size, 1),
+        )
 
 
 def _fp8_selected(refs, specs, dtypes, fp8: Float8BlockAllGather, offload: bool) -> set[int]:
