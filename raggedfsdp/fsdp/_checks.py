@@ -18,8 +18,9 @@ from raggedfsdp.fsdp._device import default_device_type
 from raggedfsdp.fsdp._mesh import placement_and_mesh
 from raggedfsdp.fsdp._param_group import ParamRef
 from raggedfsdp.fsdp._policy import MixedPrecisionPolicy
+from raggedfsdp.fsdp._reshard import resolve_reshard_after_forward
 from raggedfsdp.fsdp._spmd import spmd_mesh, spmd_of_placement
-from raggedfsdp.fsdp._state import resolve_reshard_after_forward, state_of
+from raggedfsdp.fsdp._state import state_of
 
 # Set on a parameter fully_shard sharded: a uid that outlives it (an id may be reused),
 # as FSDP2's _orig_param_uid, so that a later call sharding it again is known.
