@@ -2,51 +2,41 @@
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import itertools
-import math
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, cast
 
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPolicy
-from torch.distributed.tensor import Shard
 
-from raggedfsdp.fsdp._buffers import buffer_of
-from raggedfsdp.fsdp._device import default_device_type, move_to_mesh_device
-from raggedfsdp.fsdp._fp8 import Float8BlockAllGather, check_master_dtype
-from raggedfsdp.fsdp._group_set import GroupSet
-from raggedfsdp.fsdp._mesh import dp_key, placement_and_mesh
-from raggedfsdp.fsdp._param_group import ParamGroup, ParamRef, ShardedState, group_specs
-from raggedfsdp.fsdp._policy import BlockPolicy, BlockRows, MixedPrecisionPolicy
-from raggedfsdp.fsdp._spmd import spmd_mesh, spmd_of_placement
-from raggedfsdp.fsdp._state import FSDPState, resolve_reshard_after_forward, state_of
-from raggedfsdp.fsdp._subclass import subclass_params
-from raggedfsdp.fsdp._torch_state import register_torch_state
-from raggedfsdp.fsdp._trace import logger
-from raggedfsdp.planner import (
-    DEFAULT_ALIGNMENT_BYTES,
-    DEFAULT_MAX_BUFFERS,
-    MAX_UNSHARDED_RATIO,
-    BufferLayout,
-    gap_eligible,
-    plan_buffers,
+from raggedfsdp.fsdp._checks import (
+    _UID_ATTR,
+    _check_options,
+    _check_unsupported,
+    _collect_params,
+    _mesh_of_call,
+    _mixed_precision,
+    _modules_of,
+    _param_meshes,
 )
+from raggedfsdp.fsdp._device import move_to_mesh_device
+from raggedfsdp.fsdp._group_set import GroupSet
+from raggedfsdp.fsdp._mesh import dp_key
+from raggedfsdp.fsdp._param_group import ShardedState
+from raggedfsdp.fsdp._planning import GroupOptions, _plan_groups
+from raggedfsdp.fsdp._policy import BlockPolicy, BlockRows, MixedPrecisionPolicy
+from raggedfsdp.fsdp._state import FSDPState, state_of
+from raggedfsdp.fsdp._torch_state import register_torch_state
+from raggedfsdp.planner import DEFAULT_MAX_BUFFERS
 
 __all__ = ["FSDP2_SURFACE", "FSDPModule", "UnshardHandle", "fully_shard"]
 
 _NO_MIXED_PRECISION = MixedPrecisionPolicy()
 _NO_OFFLOAD = OffloadPolicy()
-# Set on a parameter fully_shard sharded: a uid that outlives it (an id may be reused),
-# as FSDP2's _orig_param_uid, so that a later call sharding it again is known.
-_UID_ATTR = "_raggedfsdp_uid"
-_UIDS = itertools.count()
 
 
 def fully_shard(
@@ -157,145 +147,48 @@ def fully_shard(
         NotImplementedError: a non-contiguous (channels-last) parameter, an option
             raggedfsdp does not support (named).
     """
-    if isinstance(max_buffers, bool) or not isinstance(max_buffers, int) or max_buffers < 1:
-        raise ValueError(
-            f"fully_shard: max_buffers must be an int >= 1, got {max_buffers!r}; pass 1 to keep "
-            "each group in one buffer"
-        )
-    if not isinstance(grads_in_params, bool):
-        raise ValueError(f"fully_shard: grads_in_params must be a bool, got {grads_in_params!r}")
-    if not (isinstance(member_gaps, bool) or member_gaps == "always"):
-        raise ValueError(
-            f"fully_shard: member_gaps must be True, False or 'always', got {member_gaps!r}"
-        )
-    if buffer_alpha_bytes is not None and (
-        isinstance(buffer_alpha_bytes, bool) or not isinstance(buffer_alpha_bytes, int)
-    ):
-        raise ValueError(
-            "fully_shard: buffer_alpha_bytes must be an int (bytes) or None, got "
-            f"{buffer_alpha_bytes!r}"
-        )
-    modules = list(module) if isinstance(module, (list, tuple)) else [module]
-    if not modules or not all(isinstance(m, nn.Module) for m in modules):
-        raise ValueError(
-            "fully_shard: module must be an nn.Module or a non-empty list of them, got "
-            f"{type(module).__name__}"
-        )
-    for m in modules:
-        if isinstance(m, (nn.ModuleList, nn.ModuleDict)) and type(m).forward is nn.Module.forward:
-            raise ValueError(
-                f"fully_shard: a {type(m).__name__} has no forward, so nothing would unshard "
-                "its parameters; fully_shard each module in it, or a list of them as one group "
-                "(fully_shard(list(container))), or the module that calls them"
-            )
-        if state_of(m) is not None:
-            raise InputError(
-                f"fully_shard: {type(m).__name__} was already passed to fully_shard; "
-                "call it once per module (bottom-up: blocks first, then the root)"
-            )
+    _check_options(max_buffers, grads_in_params, member_gaps, buffer_alpha_bytes)
+    modules = _modules_of(module)
     mp_policy = _mixed_precision(mp_policy)
     _check_unsupported(offload_policy)
-    if mesh is None:
-        if not dist.is_initialized():
-            raise ValueError(
-                "fully_shard: no mesh given and no default process group; "
-                "call torch.distributed.init_process_group first"
-            )
-        mesh = init_device_mesh(default_device_type(), (dist.get_world_size(),))
-    spmd = None
-    if dp_mesh_dims is not None:  # see [Note: the SPMD mesh] in _spmd.py
-        spmd = spmd_mesh(mesh, dp_mesh_dims)
-        if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
-            raise NotImplementedError(
-                "reshard_after_forward as int is not yet supported with SPMD mesh "
-                "(dp_mesh_dims), as in FSDP2: pass True or False"
-            )
-        mesh = spmd.dp
-    if mesh.ndim not in (1, 2):
-        raise ValueError(  # FSDP2's words first: see [Note: FSDP2's exception types]
-            f"fully_shard expects a 1D or 2D DeviceMesh but got {mesh}: a {mesh.ndim}-D mesh "
-            f"of shape {tuple(mesh.shape)}; FSDP is 1-D, HSDP 2-D (replicate, shard): pass "
-            "the data-parallel dims, e.g. mesh['dp_replicate', 'dp_shard']"
-        )
-    if mesh.ndim == 2 and mesh.mesh_dim_names is None:
-        raise InputError(
-            "Please init the 2D mesh for HSDP with mesh_dim_names specified: fully_shard got a "
-            f"2-D mesh of shape {tuple(mesh.shape)} without mesh_dim_names (replicate first, "
-            "then shard): init_device_mesh(..., mesh_dim_names=('replicate', 'shard'))"
-        )
-    resolve_reshard_after_forward(reshard_after_forward, mesh.size(-1))  # raises on bad input
+    mesh, spmd = _mesh_of_call(mesh, dp_mesh_dims, reshard_after_forward)
     refs, originals = _collect_params(modules, set(ignored_params or ()))
-    meshes = [mesh] * len(refs)  # each parameter's data-parallel mesh
-    spmds = [spmd] * len(refs)  # and its whole SPMD mesh (dp_mesh_dims)
-    if shard_placement_fn is not None:
-        for i, (ref, p) in enumerate(zip(refs, originals)):
-            result = shard_placement_fn(p)
-            placement, meshes[i] = placement_and_mesh(ref.fqn, result, mesh)
-            if spmd is not None and meshes[i] is not mesh:
-                own = spmds[i] = spmd_of_placement(ref.fqn, result)
-                meshes[i] = own.dp
-            _check_placement(ref.fqn, p, placement)
+    meshes, spmds = _param_meshes(refs, originals, mesh, spmd, shard_placement_fn)
     name = type(modules[0]).__name__ + (f" and {len(modules) - 1} more" if len(modules) > 1 else "")
     move_to_mesh_device(modules, originals, mesh, is_managed=lambda m: state_of(m) is None)
-    group = None
-    # [Note: a mesh per parameter] Parameters that shard_placement_fn gives their own mesh
-    # (torch's ShardPlacementResult) are planned apart, one buffer kind per data-parallel
-    # mesh (compared by process groups, as FSDP2 groups them); the call's groups are one
-    # GroupSet whose buffers live on different meshes.
-    by_mesh: dict[tuple, list[int]] = {}
-    for i, param_mesh in enumerate(meshes):
-        whole = spmds[i]
-        by_mesh.setdefault((*dp_key(param_mesh), whole and whole.full), []).append(i)
-    parts = []
-    for k, mine in enumerate(by_mesh.values()):
-        part_name = name if len(by_mesh) == 1 else f"{name}[mesh {k}]"
-        plan_part = functools.partial(  # kept by the groups: see [Note: re-tied parameters]
-            _new_group,
-            mesh=meshes[mine[0]],
-            mp_policy=mp_policy,
-            block_policy=block_policy,
-            alignment_bytes=alignment_bytes,
-            max_buffers=max_buffers,
-            alpha=buffer_alpha_bytes,
-            gaps=member_gaps,
-            spmd=spmds[mine[0]],
-            name=part_name,
-            offload=isinstance(offload_policy, CPUOffloadPolicy),
-            pin_memory=getattr(offload_policy, "pin_memory", True),
-            grads_in_params=grads_in_params,
-        )
-        parts.append(plan_part([refs[i] for i in mine], [originals[i] for i in mine]))
-        for g in parts[-1]:
-            g.replan = plan_part
-    if parts:
-        buffers = [g for part in parts for g in part]
-        group = GroupSet(buffers, buffers[0].name if len(buffers) == 1 else name)
+    options = GroupOptions(
+        mp_policy=mp_policy,
+        block_policy=block_policy,
+        alignment_bytes=alignment_bytes,
+        max_buffers=max_buffers,
+        alpha=buffer_alpha_bytes,
+        gaps=member_gaps,
+        name=name,
+        offload=isinstance(offload_policy, CPUOffloadPolicy),
+        pin_memory=getattr(offload_policy, "pin_memory", True),
+        grads_in_params=grads_in_params,
+    )
+    group = _plan_groups(refs, originals, meshes, spmds, options)
     for ref, p in zip(refs, originals):
         setattr(p, _UID_ATTR, ref.origin)
     state = FSDPState(modules, group, mesh, mp_policy, reshard_after_forward)
     for m in modules:
-        m.__class__ = _fsdp_class(m.__class__)
-        register_torch_state(m, state)  # see [Note: FSDP2's state, as torch reads it]
-        if group is not None:  # see [Note: assigned parameters] in _param_group.py
-            where = {"prefix": ""}  # the module's prefix in the state dict being loaded
-            one = len(modules) == 1  # a list's parameters are named by position, not prefix
-            m.register_load_state_dict_pre_hook(functools.partial(_before_load, group, where))
-            m.register_load_state_dict_post_hook(
-                functools.partial(_after_load, group, where if one else {"prefix": ""})
-            )
+        _become_fsdp_module(m, state, group, one=len(modules) == 1)
     return module
 
 
-class InputError(ValueError, AssertionError):
-    """A bad call that FSDP2 refuses with ``AssertionError``.
-
-    [Note: FSDP2's exception types]
-    ``fully_shard`` raises, for each input FSDP2 refuses at call time, the exception type
-    FSDP2 raises (code written for FSDP2 catches it), with a message that names what is
-    wrong and the fix. Where FSDP2 uses ``AssertionError`` for a user's mistake (``fully_shard``
-    twice on one module, a 2-D mesh without dim names), this class is both that and the
-    ``ValueError`` a bad input is everywhere else in raggedfsdp.
-    """
+def _become_fsdp_module(m: nn.Module, state: FSDPState, group, one: bool) -> None:
+    """``m`` as an ``FSDPModule`` of ``state``, its state-dict loads on the sharded
+    parameters; ``one``: the call's only module (a list's parameters are named by
+    position in the state dict, not by the module's prefix)."""
+    m.__class__ = _fsdp_class(m.__class__)
+    register_torch_state(m, state)  # see [Note: FSDP2's state, as torch reads it]
+    if group is not None:  # see [Note: assigned parameters] in _param_group.py
+        where = {"prefix": ""}  # the module's prefix in the state dict being loaded
+        m.register_load_state_dict_pre_hook(functools.partial(_before_load, group, where))
+        m.register_load_state_dict_post_hook(
+            functools.partial(_after_load, group, where if one else {"prefix": ""})
+        )
 
 
 def _before_load(group, where: dict, module, state_dict, prefix: str, *args) -> None:
@@ -307,327 +200,6 @@ def _before_load(group, where: dict, module, state_dict, prefix: str, *args) -> 
 
 def _after_load(group, where: dict, module, incompatible_keys) -> None:
     group.adopt_assigned(where["prefix"])  # see [Note: assigned parameters]
-
-
-def _mixed_precision(policy) -> MixedPrecisionPolicy:
-    if isinstance(policy, MixedPrecisionPolicy):
-        return policy
-    if isinstance(policy, TorchMixedPrecisionPolicy):
-        return MixedPrecisionPolicy(
-            param_dtype=policy.param_dtype,
-            reduce_dtype=policy.reduce_dtype,
-            output_dtype=policy.output_dtype,
-            cast_forward_inputs=policy.cast_forward_inputs,
-        )
-    raise ValueError(
-        "fully_shard: mp_policy must be a MixedPrecisionPolicy (raggedfsdp's or "
-        f"torch.distributed.fsdp's), got {type(policy).__name__}"
-    )
-
-
-def _check_unsupported(offload_policy) -> None:
-    if not isinstance(offload_policy, OffloadPolicy):
-        raise ValueError(
-            "fully_shard: offload_policy must be a torch.distributed.fsdp.OffloadPolicy or "
-            f"CPUOffloadPolicy, got {type(offload_policy).__name__}"
-        )
-
-
-def _aligned_where_rows_allow(specs, itemsize: int, at) -> Sequence[BufferLayout]:
-    """The default alignment (``alignment_bytes=None``): ``DEFAULT_ALIGNMENT_BYTES``, unless
-    the group's blocks are not whole multiples of it and that alignment bloats a buffer.
-
-    [Note: alignment where rows allow] A shard start (a multiple of ``S``) and a tensor's
-    offset are both multiples of the alignment, so a cut inside a tensor whose blocks are
-    not a multiple of it falls only every lcm(alignment, block) elements: a 260-element
-    fp32 row under 128-byte alignment is cut every 8 rows, and at thousands of ranks such
-    a buffer gathers many times its elements where FSDP2 gathers one row per rank. Where
-    the aligned plan holds a buffer over ``MAX_UNSHARDED_RATIO`` times its elements, the
-    group is planned again at the finest alignment its blocks allow (the gcd of the
-    alignment and every block's bytes, at least one element), and the plan that holds
-    fewer elements wins. Groups whose blocks are multiples of the alignment (the weights
-    of real models) are never affected; an explicit ``alignment_bytes`` is used as given.
-    """
-    aligned = at(DEFAULT_ALIGNMENT_BYTES)
-    if not any(lay.global_size > MAX_UNSHARDED_RATIO * lay.total_numel for lay in aligned):
-        return aligned
-    finer = DEFAULT_ALIGNMENT_BYTES
-    for s in specs:
-        finer = math.gcd(finer, s.block_elems * itemsize)
-    finer = max(finer, itemsize)
-    if finer == DEFAULT_ALIGNMENT_BYTES:
-        return aligned
-    relaxed = at(finer)
-    if sum(lay.global_size for lay in relaxed) < sum(lay.global_size for lay in aligned):
-        logger.debug(
-            "fully_shard: %d-byte alignment instead of %d: the group's blocks are not "
-            "multiples of it (see [Note: alignment where rows allow])",
-            finer,
-            DEFAULT_ALIGNMENT_BYTES,
-        )
-        return relaxed
-    return aligned
-
-
-def _leaves_a_rank_empty(layout: BufferLayout, world: int) -> bool:
-    """Whether some rank holds none of a tensor that has a row for every rank."""
-    return any(t.shape[0] >= world and 0 in layout.local_units(t.name) for t in layout.tensors)
-
-
-def _check_placement(fqn: str, param: nn.Parameter, placement) -> None:
-    if placement is not None and not isinstance(placement, Shard):
-        raise ValueError(
-            f"fully_shard: shard_placement_fn gives parameter {fqn!r} {placement!r}; expected "
-            "None or Shard(dim) (RaggedShard cuts dim 0: return None or Shard(0))"
-        )
-    if placement is None or -param.dim() <= placement.dim < param.dim():
-        return  # Shard(d > 0) is laid out as dim-0 rows: see [Note: Shard(d) placements]
-    dim = placement.dim if placement.dim >= 0 else placement.dim + param.dim()
-    raise InputError(  # FSDP2's AssertionError, and its words first
-        f"Shard dim {dim} is invalid for {param.dim()}D tensor: {param.shape}: fully_shard's "
-        f"shard_placement_fn gives parameter {fqn!r} {placement!r}; return None or Shard(d) "
-        f"with -{param.dim()} <= d < {param.dim()}"
-    )
-
-
-# [Note: Shard(d) placements]
-# FSDP2 cuts a parameter on the dim ``shard_placement_fn`` names; RaggedShard always cuts
-# dim-0 rows in whole blocks, and a ``Shard(d)`` for ``d > 0`` is accepted and laid out
-# the same way. The numbers do not depend on where a shard is cut (every rank reduces and
-# updates its own elements of each parameter), so training gives FSDP2's losses and
-# parameters. What FSDP2 uses ``Shard(1)`` for, a parameter whose dim 0 is smaller than
-# the mesh (torchtitan's experts when there are more data-parallel ranks than experts,
-# where dim-0 chunks would leave ranks empty and pad them), costs nothing here: the
-# planner balances the whole group's rows over the ranks (a stacked 3-D parameter's rows
-# are its (member, row) pairs), within its padding bound. What differs: the sharded
-# parameter's placement is RaggedShard, so its local tensor holds whole rows, not a
-# range of dim d (as every raggedfsdp parameter's placement differs from FSDP2's).
-
-
-def _collect_params(
-    modules: list[nn.Module], ignored: set
-) -> tuple[list[ParamRef], list[nn.Parameter]]:
-    """The parameters this call manages: not ignored, not inside a nested fully_shard."""
-    refs: dict[int, ParamRef] = {}
-    originals: dict[int, nn.Parameter] = {}
-    managed_elsewhere: set[int] = set()
-
-    def visit(mod: nn.Module, prefix: str, top: bool) -> None:
-        if not top and state_of(mod) is not None:  # a nested fully_shard owns this subtree
-            managed_elsewhere.update(id(p) for p in mod.parameters())
-            return
-        for name, p in mod._parameters.items():
-            if p is None or p in ignored:
-                continue
-            _check_param(prefix + name, p)
-            # The original of a parameter another group already replaced is sharded
-            # again, as FSDP2 does; the root refuses the pair at the first forward
-            # (FSDPState._validate_params), where FSDP2 does.
-            owner = _sharded_by(p)
-            if owner is not None:  # already sharded: fully_shard(root) came before this call
-                raise ValueError(
-                    f"fully_shard: parameter {prefix + name!r} is already sharded, as "
-                    f"{owner[1]!r} of {owner[0]}; apply fully_shard bottom-up: each block "
-                    "first, then the root"
-                )
-            if id(p) in refs:
-                refs[id(p)].uses.append((mod, name))  # tied: one parameter, several places
-            else:
-                uid = getattr(p, _UID_ATTR, None)  # set: an earlier call sharded it too
-                refs[id(p)] = ParamRef(
-                    fqn=prefix + name,
-                    uses=[(mod, name)],
-                    shape=p.shape,
-                    requires_grad=p.requires_grad,
-                    origin=next(_UIDS) if uid is None else uid,
-                    resharded=uid is not None,
-                )
-                originals[id(p)] = p
-        for child_name, child in mod._modules.items():
-            if child is not None:
-                visit(child, f"{prefix}{child_name}.", False)
-
-    for i, module in enumerate(modules):
-        visit(module, "" if len(modules) == 1 else f"{i}.", True)
-    crossing = [refs[i].fqn for i in refs if i in managed_elsewhere]
-    if crossing:
-        raise NotImplementedError(
-            f"fully_shard: parameters {crossing} are shared with a module that has its own "
-            "fully_shard; tied parameters must be in one group: fully_shard their common parent"
-        )
-    return list(refs.values()), list(originals.values())
-
-
-def _check_param(fqn: str, p: nn.Parameter) -> None:
-    """FSDP2's checks of a parameter, with its exception types."""
-    if p.dim() == 0:  # FSDP2's words first: see [Note: FSDP2's exception types]
-        raise ValueError(
-            "fully_shard doesn't support scalar parameters. Change "
-            f"{fqn} to a 1D tensor with numel equal to 1. (fully_shard: parameter {fqn!r} is "
-            "0-d; a shard cuts a dim: make it shape (1,), or pass it in ignored_params)"
-        )
-    if not p.is_contiguous():
-        raise NotImplementedError(
-            "FSDP does not support non-contiguous parameters yet: fully_shard got parameter "
-            f"{fqn!r} of shape {tuple(p.shape)} with strides {p.stride()} (e.g. channels_last): "
-            "make it contiguous first (module.to(memory_format=torch.contiguous_format))"
-        )
-
-
-def _sharded_by(p) -> tuple[str, str] | None:
-    found = buffer_of(p)
-    return None if found is None else (found[0]._group.name, found[1].fqn)
-
-
-def _check_gaps_beside_tp(refs, specs, gaps) -> None:
-    """Member gaps lay a stack out member by member, each member whole on its rank. A stack
-    that tensor parallelism shards over its members (expert parallelism: ``Shard(0)``)
-    keeps whole members locally, so it takes gaps; one sharded inside its members
-    (``Shard(1)``, ``Shard(2)``) is not supported yet."""
-    for ref, spec in zip(refs, specs):
-        if ref.tp is None or not gap_eligible(spec):
-            continue
-        inside = [p for p in ref.tp.placements if not (p.is_replicate() or p == Shard(0))]
-        if inside:
-            raise NotImplementedError(
-                f"fully_shard: member_gaps={gaps!r} with {ref.fqn!r}, a stack of "
-                f"{spec.members} members that tensor parallelism shards inside its members "
-                f"({inside[0]!r}), is not supported yet; pass member_gaps=False (a stack sharded "
-                "over its members, Shard(0) as expert parallelism does, takes gaps)"
-            )
-
-
-def _new_group(
-    refs,
-    originals,
-    mesh,
-    mp_policy,
-    block_policy,
-    alignment_bytes,
-    max_buffers,
-    alpha,
-    gaps,
-    spmd,
-    **kw,
-):
-    """The buffers of one mesh of a ``fully_shard`` call: one ``ParamGroup`` per buffer
-    (several where the planner splits the group: see [Note: multi-buffer groups]).
-    ``spmd``: the whole mesh of a ``dp_mesh_dims`` call, or None."""
-    specs, dtypes = group_specs(refs, originals, mesh, block_policy, spmd)
-    if gaps:
-        _check_gaps_beside_tp(refs, specs, gaps)
-    fp8 = mp_policy.all_gather
-    selected = _fp8_selected(refs, specs, dtypes, fp8, kw) if fp8 is not None else set()
-    if selected:  # see [Note: FP8 all-gather]: selected tensors plan apart from the rest
-        specs = [
-            dataclasses.replace(s, block_rows=fp8.block_rows_for(s.block_rows))
-            if i in selected
-            else s
-            for i, s in enumerate(specs)
-        ]
-    # Tensor subclasses with FSDP2's hooks plan apart too: [Note: tensor-subclass all-gather]
-    hooked = subclass_params(
-        refs, originals, specs, fp8_selected=selected, offload=kw.get("offload", False)
-    )
-    plain = set(range(len(specs))) - selected - hooked
-    world = mesh.size(mesh.ndim - 1)
-
-    def plan(part: list, how: Float8BlockAllGather | None) -> Sequence[BufferLayout]:
-        dtype = dtypes[index[part[0].name]]
-
-        def at(align: int) -> tuple[BufferLayout, ...]:
-            return plan_buffers(
-                part,
-                world,
-                max_buffers=max_buffers,
-                alpha_bytes=alpha,
-                dtype=dtype,
-                member_gaps=gaps if how is None else False,
-                alignment_bytes=align,
-            ).layouts
-
-        if how is not None:
-            return at(
-                how.alignment_bytes(
-                    DEFAULT_ALIGNMENT_BYTES if alignment_bytes is None else alignment_bytes, dtype
-                )
-            )
-        if alignment_bytes is not None:
-            return at(alignment_bytes)
-        return _aligned_where_rows_allow(part, dtype.itemsize, at)
-
-    index = {ref.fqn: i for i, ref in enumerate(refs)}
-    # [Note: mixed dtypes] A buffer holds one dtype: each kind of buffer below is planned
-    # once per dtype of its parameters, so a group of several dtypes (a frozen bf16 base
-    # beside fp32 adapters) has one buffer, collective and cast path per dtype.
-    kinds = [(selected, fp8, False), (hooked, None, True), (plain, None, False)]
-    by_dtype = [
-        ({i for i in part if dtypes[i] == dt}, how, hooks)
-        for part, how, hooks in kinds
-        for dt in dict.fromkeys(dtypes[i] for i in sorted(part))
-    ]
-    layouts: list[tuple[BufferLayout, Float8BlockAllGather | None, bool]] = []
-    for part, how, by_hooks in by_dtype:
-        part_specs = [s for i, s in enumerate(specs) if i in part]
-        if not part_specs:
-            continue
-        planned = plan(part_specs, how)
-        if by_hooks and any(_leaves_a_rank_empty(layout, world) for layout in planned):
-            # A subclass's fsdp_pre_all_gather runs on every rank's rows, and may not take
-            # none (torchao's dynamic float8 scale takes an amax of them): each such
-            # parameter gets a buffer of its own, its rows spread over every rank, as
-            # FSDP2's even chunks are (one more all-gather per parameter).
-            planned = [layout for spec in part_specs for layout in plan([spec], how)]
-        layouts += [(layout, how, by_hooks) for layout in planned]
-    for layout, _, _ in layouts:
-        logger.debug(
-            "fully_shard %s: a buffer of %d tensors over %d ranks: S = %d elements per rank, "
-            "padding %d of %d (%.2f%%)",
-            kw["name"],
-            len(layout.tensors),
-            world,
-            layout.shard_size,
-            layout.padding,
-            layout.global_size,
-            100.0 * layout.padding / max(layout.global_size, 1),
-        )
-    if len(layouts) == 1:
-        layout, how, by_hooks = layouts[0]
-        return [
-            ParamGroup(refs, originals, mesh, mp_policy, layout, fp8=how, subclass=by_hooks, **kw)
-        ]
-    groups = []
-    for k, (layout, how, by_hooks) in enumerate(layouts):
-        mine = sorted(index[t.name] for t in layout.tensors)  # module order
-        sub = {**kw, "name": f"{kw['name']}[buffer {k}]", "fp8": how, "subclass": by_hooks}
-        parts = ([refs[i] for i in mine], [originals[i] for i in mine])
-        groups.append(ParamGroup(*parts, mesh, mp_policy, layout, **sub))
-    return groups
-
-
-def _fp8_selected(refs, specs, dtypes, fp8: Float8BlockAllGather, kw) -> set[int]:
-    """Indices of the parameters an FP8 all-gather gathers (see [Note: FP8 all-gather]).
-
-    Raises:
-        NotImplementedError: FP8 with tensor parallelism or CPU offload (not yet).
-        ValueError: a master dtype without an FP8 path.
-    """
-    if kw.get("offload"):
-        raise NotImplementedError(
-            "fully_shard: FP8 all-gather (MixedPrecisionPolicy.all_gather) with CPU offload "
-            "is not supported yet; drop one of them"
-        )
-    tp = [ref.fqn for ref in refs if ref.tp is not None and ref.tp.model_parallel]
-    if tp:
-        raise NotImplementedError(
-            f"fully_shard: FP8 all-gather (MixedPrecisionPolicy.all_gather) on a tensor-"
-            f"parallel mesh dimension is not supported yet (parameters {tp[:3]}...); use it on "
-            "FSDP or HSDP meshes, or leave all_gather unset for this module"
-        )
-    chosen = {i for i, s in enumerate(specs) if fp8.selects(s.shape)}
-    for i in sorted(chosen):
-        check_master_dtype(specs[i].name, dtypes[i])
-    return chosen
 
 
 class UnshardHandle:

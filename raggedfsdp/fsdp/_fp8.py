@@ -15,7 +15,7 @@ and ``>= 2**-126``, so no code ever saturates. ``amax`` is the largest magnitude
 tile's finite elements; a non-finite element decodes as NaN at its own position (see
 [Note: FP8 edge values]).
 
-Selected parameters go to buffers of their own (``_api._new_group`` plans them apart
+Selected parameters go to buffers of their own (``_planning._new_group`` plans them apart
 from the rest, which gather in the compute dtype), planned with offsets and shard size
 in whole tile columns (``alignment_elems``). A rank's shard is then a sequence of
 *segments*: ``tile[1]`` contiguous elements, one row of one tile (or padding). Per

@@ -3,7 +3,7 @@ multi-buffer groups] in ``raggedfsdp/planner/multi.py``).
 
 Every ``FSDPState`` with parameters holds a ``GroupSet``, so one buffer and many are one
 case. It runs each action on every buffer's ``ParamGroup`` (buffers may live on
-different meshes: [Note: a mesh per parameter] in ``_api.py``): all-gathers are issued
+different meshes: [Note: a mesh per parameter] in ``_planning.py``): all-gathers are issued
 back to back and waited together, reduce-scatters likewise, each still in place. Each
 buffer keeps its own gradient storage, allocated at its own first gradient ([Note:
 gradient storage]), so a buffer whose parameters get their gradients late in backward

@@ -18,8 +18,8 @@ from raggedfsdp.fsdp._grads import GradientPath, mark_got_grad
 from raggedfsdp.fsdp._hooks import reads_no_parameters
 from raggedfsdp.fsdp._policy import MixedPrecisionPolicy, resolve_block_rows
 from raggedfsdp.fsdp._records import ParamRef, PendingGather, PendingReduce, ShardedState
+from raggedfsdp.fsdp._reshard import PostForwardGroup
 from raggedfsdp.fsdp._spmd import SPMDMesh
-from raggedfsdp.fsdp._state import PostForwardGroup
 from raggedfsdp.fsdp._subclass import SubclassGather, values_of
 from raggedfsdp.fsdp._tp import tp_spec_of
 from raggedfsdp.fsdp._trace import phase

@@ -30,7 +30,7 @@ checkpoint moves between the two modes.
 A parameter that ``shard_placement_fn`` gives a mesh of its own (torch's
 ``ShardPlacementResult``, its mesh info holding its whole mesh and data-parallel dims: the
 routed experts of torchtitan's MoE on their sparse mesh) is read the same way from its
-own whole mesh, in buffers of its own ([Note: a mesh per parameter] in ``_api.py``).
+own whole mesh, in buffers of its own ([Note: a mesh per parameter] in ``_planning.py``).
 
 Not taken (each refused by name): a mesh without a shard dim (``replicate`` alone: DDP),
 an int ``reshard_after_forward`` (FSDP2 refuses it too), and placements other than

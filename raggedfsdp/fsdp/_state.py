@@ -17,11 +17,10 @@ that tells every rank which parameters received a gradient on any rank.
 
 from __future__ import annotations
 
-import enum
 import warnings
 import weakref
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, ClassVar, NamedTuple
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -31,23 +30,22 @@ from torch.distributed.utils import _apply_to_tensors
 from torch.nn.modules.module import _global_backward_hooks, _global_backward_pre_hooks
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from raggedfsdp.fsdp._device import new_group_like
 from raggedfsdp.fsdp._hooks import may_read_parameters
 from raggedfsdp.fsdp._policy import MixedPrecisionPolicy
+from raggedfsdp.fsdp._reshard import (
+    PostForwardGroup,
+    _post_forward_group,
+    resolve_reshard_after_forward,
+)
 from raggedfsdp.fsdp._trace import phase
+from raggedfsdp.fsdp._training_state import _MOVES, TrainingState
 from raggedfsdp.fsdp._weak import WeakList
 
 if TYPE_CHECKING:
     from raggedfsdp.fsdp._group_set import GroupSet
     from raggedfsdp.fsdp._param_group import ParamGroup
 
-__all__ = [
-    "FSDPState",
-    "PostForwardGroup",
-    "TrainingState",
-    "resolve_reshard_after_forward",
-    "state_of",
-]
+__all__ = ["FSDPState", "state_of"]
 
 _STATE_ATTR = "_raggedfsdp_state"
 
@@ -91,55 +89,6 @@ def _reshard_hook(group: GroupSet):
 def state_of(module: nn.Module) -> FSDPState | None:
     """The ``FSDPState`` of a module passed to ``fully_shard``, else None."""
     return module.__dict__.get(_STATE_ATTR)
-
-
-class PostForwardGroup(NamedTuple):
-    """The smaller group a ``reshard_after_forward=int`` group stays sharded over."""
-
-    process_group: dist.ProcessGroup
-    position: int  # this rank's index in it
-    size: int
-
-
-class TrainingState(enum.Enum):
-    IDLE = "idle"
-    FORWARD = "forward"
-    PRE_BACKWARD = "pre_backward"
-    POST_BACKWARD = "post_backward"
-
-
-# [Note: training states]
-# ``FSDPState.training_state`` moves only through ``FSDPState._enter(event)``, which
-# checks the state it starts from against this table and raises, naming the group, the
-# event and both states, when hooks run in an order no forward and backward produce.
-#
-#     event          from                                         to
-#     pre_forward    any (*)                                      FORWARD
-#     post_forward   FORWARD                                      IDLE
-#     pre_backward   IDLE, FORWARD (**), POST_BACKWARD (***)       PRE_BACKWARD
-#     post_backward  PRE_BACKWARD                                 POST_BACKWARD
-#     end_backward   any: the root's final callback ends every group's backward
-#     reset          any: reset_iter_state()
-#
-# (*) a forward or backward that raised leaves its state behind; the next forward starts
-#     afresh, as FSDP2's does (``reset_iter_state()`` also drops the collectives in flight).
-# (**) a group of several modules some of which did not run (the chunked loss runs the
-#     head of a ``[norm, head]`` group alone) never ends its forward.
-# (***) a module called twice whose first call's inputs need no gradient reduces after
-#     its last call's backward, then runs backward again (see ``prepare_grads``).
-# A repeated pre_backward (one per output that carries a gradient) is a no-op.
-_ANY = frozenset(TrainingState)
-_MOVES: dict[str, tuple[frozenset[TrainingState], TrainingState]] = {
-    "pre_forward": (_ANY, TrainingState.FORWARD),
-    "post_forward": (frozenset({TrainingState.FORWARD}), TrainingState.IDLE),
-    "pre_backward": (
-        frozenset({TrainingState.IDLE, TrainingState.FORWARD, TrainingState.POST_BACKWARD}),
-        TrainingState.PRE_BACKWARD,
-    ),
-    "post_backward": (frozenset({TrainingState.PRE_BACKWARD}), TrainingState.POST_BACKWARD),
-    "end_backward": (_ANY, TrainingState.IDLE),
-    "reset": (_ANY, TrainingState.IDLE),
-}
 
 
 class FSDPState:
@@ -736,53 +685,3 @@ def _cast_floats(tree, dtype: torch.dtype):
         return t
 
     return _apply_to_tensors(cast, tree)
-
-
-def resolve_reshard_after_forward(
-    value: bool | int | None, mesh_size: int, *, warn: bool = False
-) -> tuple[bool, int | None]:
-    """``(reshard after forward, size of the post-forward group or None)``, as FSDP2.
-
-    Raises:
-        ValueError: not a bool, an int or None; an int that is not a factor of the
-            mesh size.
-    """
-    if value is None or isinstance(value, bool):
-        return value is not False, None
-    m = mesh_size
-    if not isinstance(value, int) or value < 1 or value > m or m % value:
-        raise ValueError(
-            f"fully_shard: reshard_after_forward={value!r}: an int must be a factor of the "
-            f"mesh size {m} (the group size to keep parameters sharded over after forward); "
-            "pass True, False, None or a factor"
-        )
-    if value == 1:
-        if warn:
-            warnings.warn(
-                "fully_shard: reshard_after_forward=1 (int) means resharding parameters to "
-                "world size 1, i.e. keeping them unsharded until backward (as FSDP2); pass "
-                "True to free them after forward",
-                stacklevel=4,
-            )
-        return False, None
-    if value == m:
-        return True, None
-    return True, value
-
-
-def _post_forward_group(mesh, size: int) -> PostForwardGroup:
-    """This rank's group of ``size`` consecutive ranks of ``mesh`` (``reshard_after_forward``)."""
-    if mesh.ndim != 1:
-        raise NotImplementedError(
-            f"fully_shard: reshard_after_forward={size} on a {mesh.ndim}-D mesh (HSDP) is not "
-            "supported; pass True or False"
-        )
-    ranks = mesh.mesh.flatten().tolist()
-    mine = None
-    for start in range(0, len(ranks), size):
-        members = ranks[start : start + size]
-        pg = new_group_like(members, mesh.get_group(0))  # every rank makes every group
-        if dist.get_rank() in members:
-            mine = PostForwardGroup(pg, members.index(dist.get_rank()), size)
-    assert mine is not None  # the groups cover every rank of the mesh
-    return mine

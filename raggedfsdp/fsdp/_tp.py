@@ -11,7 +11,7 @@ blocks count local rows, and every collective of the group runs over ``dp`` alon
 - The sharded parameter is a DTensor on the ``(tp, dp)`` mesh (the tp axis first)
   placed ``(tp placement, RaggedShard)``: placements apply left to right, so tp cuts
   the global tensor and RaggedShard cuts the rows of the TP-local piece (see
-  [Note: composed placements] in ``_dtensor_ext.py``). Under HSDP the mesh is
+  [Note: composed placements] in ``_dtensor_ext``). Under HSDP the mesh is
   ``(tp, replicate, shard)`` with ``Replicate()`` on replicate.
 - The unsharded parameter the module sees is the TP DTensor, as the module had it,
   its local tensor a view of the group's global storage; its ``.grad`` likewise a
