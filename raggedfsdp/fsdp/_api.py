@@ -26,9 +26,9 @@ from raggedfsdp.fsdp._checks import (
 from raggedfsdp.fsdp._device import move_to_mesh_device
 from raggedfsdp.fsdp._group_set import GroupSet
 from raggedfsdp.fsdp._mesh import dp_key
-from raggedfsdp.fsdp._param_group import ShardedState
 from raggedfsdp.fsdp._planning import GroupOptions, _plan_groups
 from raggedfsdp.fsdp._policy import BlockPolicy, BlockRows, MixedPrecisionPolicy
+from raggedfsdp.fsdp._records import ShardedState
 from raggedfsdp.fsdp._state import FSDPState, state_of
 from raggedfsdp.fsdp._torch_state import register_torch_state
 from raggedfsdp.planner import DEFAULT_MAX_BUFFERS

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from raggedfsdp.fsdp._records import OWNER_ATTR
 from raggedfsdp.fsdp._state import state_of
 from raggedfsdp.planner import BufferLayout
 
@@ -37,13 +38,8 @@ if TYPE_CHECKING:
 
 __all__ = ["BufferView", "ParamSlice", "buffer_of", "buffers_of"]
 
-# A sharded parameter knows its (weak reference to its group, index): how buffer_of finds
-# its buffer. Weak, so that the group (which holds the parameter) and its storages go with
-# the model's last reference, not at a garbage collection: see
-# [Note: freed without the garbage collector] in ``_weak.py``. An attribute, not a
-# weak-keyed registry: Module._apply swaps tensors (swap_tensors), which refuses tensors
-# that have weak references.
-OWNER_ATTR = "_raggedfsdp_owner"
+# The one BufferView of each live group (weak-keyed: the view holds its group weakly too).
+_VIEWS: weakref.WeakKeyDictionary[ParamGroup, BufferView] = weakref.WeakKeyDictionary()
 
 
 def _owner(param: torch.Tensor) -> tuple[ParamGroup, int] | None:
@@ -119,7 +115,7 @@ class BufferView:
     __slots__ = ("_group_ref",)
 
     def __init__(self, group: ParamGroup):
-        self._group_ref = weakref.ref(group)  # the group holds its view: weak back
+        self._group_ref = weakref.ref(group)  # _VIEWS holds the view for its group: weak
 
     @property
     def _group(self) -> ParamGroup:
@@ -288,13 +284,20 @@ class BufferView:
         )
 
 
+def _view_of(group: ParamGroup) -> BufferView:
+    view = _VIEWS.get(group)
+    if view is None:
+        view = _VIEWS[group] = BufferView(group)
+    return view
+
+
 def buffer_of(param: torch.Tensor) -> tuple[BufferView, ParamSlice] | None:
     """``(its buffer, its slice)`` for a parameter sharded by ``fully_shard``, else None."""
     owner = _owner(param)
     if owner is None:
         return None
     group, index = owner
-    view = group.view
+    view = _view_of(group)
     return view, view.slice_at(index)
 
 
@@ -315,7 +318,7 @@ def buffers_of(obj: nn.Module | Iterable[torch.Tensor]) -> list[BufferView]:
             state = state_of(m)
             if state is not None and state.group is not None:
                 for g in state.group.groups:
-                    views.setdefault(id(g), g.view)
+                    views.setdefault(id(g), _view_of(g))
         return list(views.values())
     for t in obj:
         found = buffer_of(t)

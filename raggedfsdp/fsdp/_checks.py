@@ -16,8 +16,8 @@ from torch.distributed.tensor import Shard
 from raggedfsdp.fsdp._buffers import buffer_of
 from raggedfsdp.fsdp._device import default_device_type
 from raggedfsdp.fsdp._mesh import placement_and_mesh
-from raggedfsdp.fsdp._param_group import ParamRef
 from raggedfsdp.fsdp._policy import MixedPrecisionPolicy
+from raggedfsdp.fsdp._records import ParamRef
 from raggedfsdp.fsdp._reshard import resolve_reshard_after_forward
 from raggedfsdp.fsdp._spmd import spmd_mesh, spmd_of_placement
 from raggedfsdp.fsdp._state import state_of

@@ -16,7 +16,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from raggedfsdp.fsdp._param_group import ParamGroup, ParamRef, ShardedState
+from raggedfsdp.fsdp._param_group import ParamGroup
+from raggedfsdp.fsdp._records import ParamRef, ShardedState
 
 __all__ = ["GroupSet"]
 

@@ -11,13 +11,18 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 
-from raggedfsdp.fsdp._buffers import OWNER_ATTR, BufferView
 from raggedfsdp.fsdp._device import can_pin_memory, mesh_device, streams_for
 from raggedfsdp.fsdp._fp8 import Float8BlockAllGather, Fp8Layout
 from raggedfsdp.fsdp._grads import GradientPath, mark_got_grad
 from raggedfsdp.fsdp._hooks import reads_no_parameters
 from raggedfsdp.fsdp._policy import MixedPrecisionPolicy, resolve_block_rows
-from raggedfsdp.fsdp._records import ParamRef, PendingGather, PendingReduce, ShardedState
+from raggedfsdp.fsdp._records import (
+    OWNER_ATTR,
+    ParamRef,
+    PendingGather,
+    PendingReduce,
+    ShardedState,
+)
 from raggedfsdp.fsdp._reshard import PostForwardGroup
 from raggedfsdp.fsdp._spmd import SPMDMesh
 from raggedfsdp.fsdp._subclass import SubclassGather, values_of
@@ -29,14 +34,7 @@ from raggedfsdp.planner import BufferLayout, TensorSpec
 from raggedfsdp.tensor.collectives import all_gather_single, completed_work
 from raggedfsdp.tensor.placement import RaggedShard
 
-__all__ = [
-    "ParamGroup",
-    "group_specs",
-    "ParamRef",
-    "PendingGather",
-    "PendingReduce",
-    "ShardedState",
-]
+__all__ = ["ParamGroup", "group_specs"]
 
 
 def _laid_out(refs, originals, mesh, spmd: SPMDMesh | None) -> list[torch.Tensor]:
@@ -141,7 +139,6 @@ class ParamGroup(GradientPath):
     ):
         self.refs: list[ParamRef] = refs
         self._index_of = {id(ref): i for i, ref in enumerate(refs)}  # see _make_sharded
-        self.view = BufferView(self)  # the public handle (raggedfsdp.fsdp.buffers_of)
         self.name = (
             f"{name}({', '.join(r.fqn for r in refs[:3])}{', ...' if len(refs) > 3 else ''})"
         )
@@ -174,10 +171,11 @@ class ParamGroup(GradientPath):
             raise AssertionError(f"fully_shard group {self.name}: its layout holds other tensors")
         self.layout = layout
         self.fp8 = None if fp8 is None else Fp8Layout(layout, fp8)
-        # a proxy: the group holds its SubclassGather, which reads the group's fields (see
-        # [Note: freed without the garbage collector] in ``_weak.py``)
-        me = cast("ParamGroup", weakref.proxy(self))
-        self.subclass = SubclassGather(me, originals) if subclass else None
+        self.subclass = (
+            SubclassGather(refs, originals, mesh, mp_policy, self.device, self.dtype)
+            if subclass
+            else None
+        )
         self.dbuf = self._new_dbuf(shard_device)
         for ref, p in zip(refs, originals):
             ref.placement = RaggedShard.from_layout(self.layout, ref.fqn)
@@ -297,6 +295,8 @@ class ParamGroup(GradientPath):
         self.unloaded = {}  # every parameter now holds what _apply gave it
         self.device = mesh_device(self.mesh) if self.offload else local0.device
         self.dtype = local0.dtype
+        if self.subclass is not None:
+            self.subclass.move_to(self.device, self.dtype)
         self.streams = streams_for(self.device)
         self.compute_dtype = self.mp_policy.param_dtype or self.dtype
         self.reduce_dtype = self.mp_policy.reduce_dtype or self.compute_dtype
@@ -413,6 +413,8 @@ class ParamGroup(GradientPath):
             device = devices.pop()
             shard_device = torch.device("cpu") if self.offload else device
             self.device = mesh_device(self.mesh) if self.offload else device
+            if self.subclass is not None:
+                self.subclass.move_to(self.device, self.dtype)
         rebuild = shard_device != old.shard.device
         if rebuild:  # a new shard storage on the new device; see [Note: assigned parameters]
             self.streams = streams_for(self.device)

@@ -18,7 +18,15 @@ from raggedfsdp.fsdp._tp import TPSpec
 from raggedfsdp.fsdp._weak import WeakPairs
 from raggedfsdp.tensor.placement import RaggedShard
 
-__all__ = ["ParamRef", "PendingGather", "PendingReduce", "ShardedState"]
+__all__ = ["OWNER_ATTR", "ParamRef", "PendingGather", "PendingReduce", "ShardedState"]
+
+# A sharded parameter knows its (weak reference to its group, index): how ``buffer_of``
+# finds its buffer. Weak, so that the group (which holds the parameter) and its storages
+# go with the model's last reference, not at a garbage collection: see
+# [Note: freed without the garbage collector] in ``_weak.py``. An attribute, not a
+# weak-keyed registry: Module._apply swaps tensors (swap_tensors), which refuses tensors
+# that have weak references.
+OWNER_ATTR = "_raggedfsdp_owner"
 
 
 class ShardedState(enum.Enum):

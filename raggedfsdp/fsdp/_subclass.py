@@ -85,9 +85,11 @@ from raggedfsdp.fsdp._mesh import shard_mesh
 from raggedfsdp.tensor.collectives import all_gather_single
 
 if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor
 
-    from raggedfsdp.fsdp._param_group import ParamGroup, ParamRef
+    from raggedfsdp.fsdp._policy import MixedPrecisionPolicy
+    from raggedfsdp.fsdp._records import ParamRef
 
 __all__ = ["SubclassGather", "is_plain", "subclass_params", "values_of"]
 
@@ -230,15 +232,27 @@ class SubclassGather:
     all-gather]).
 
     Args:
-        group: the buffer's ``ParamGroup`` (refs with placements, mesh, device, dtypes).
-        originals: the parameters as ``fully_shard`` got them (same order as the refs).
+        refs: the buffer's parameters (placed before the first gather).
+        originals: the parameters as ``fully_shard`` got them (same order as ``refs``).
+        mesh: the buffer's mesh, its last dim the shard dim.
+        mp_policy: the group's mixed precision.
+        device, dtype: the buffer's compute device and dtype; ``move_to`` follows them
+            when ``to_empty`` or ``Module._apply`` changes them.
     """
 
-    def __init__(self, group: ParamGroup, originals):
-        self.group = group
-        mesh = group.mesh
+    def __init__(
+        self,
+        refs: list[ParamRef],
+        originals,
+        mesh: DeviceMesh,
+        mp_policy: MixedPrecisionPolicy,
+        device: torch.device,
+        dtype: torch.dtype,
+    ):
         self.shard_mesh = shard_mesh(mesh)  # its last dim, named or not
-        mp = group.mp_policy
+        self.rank, self.world = mesh.get_local_rank(mesh.ndim - 1), mesh.size(mesh.ndim - 1)
+        self.device, self.dtype = device, dtype
+        mp = self._mp = mp_policy
         self.mp_policy = TorchMixedPrecisionPolicy(  # the class FSDP2 hands the hook
             param_dtype=mp.param_dtype,
             reduce_dtype=mp.reduce_dtype,
@@ -246,13 +260,17 @@ class SubclassGather:
             cast_forward_inputs=mp.cast_forward_inputs,
         )
         self.entries: dict[str, _Entry] = {}
-        for ref, p in zip(group.refs, originals):
+        for ref, p in zip(refs, originals):
             if _viewable(p):
                 (name,), ctx = cast(TraceableWrapperSubclass, p).__tensor_flatten__()
                 entry = _Entry(ref, name, ctx, type(p), ref.uses[0][0])
             else:
                 entry = _Entry(ref, "", None, type(p), ref.uses[0][0], original=p)
             self.entries[ref.fqn] = entry
+
+    def move_to(self, device: torch.device, dtype: torch.dtype) -> None:
+        """The buffer's device and dtype changed (``to_empty``, ``Module._apply``)."""
+        self.device, self.dtype = device, dtype
 
     def holds(self, ref: ParamRef) -> bool:
         """Whether ``ref``'s sharded parameter holds rows of its own, not a view of the
@@ -262,7 +280,7 @@ class SubclassGather:
     @property
     def param_dtype(self) -> torch.dtype:
         """What ``fsdp_post_all_gather`` is told to produce (FSDP2's rule)."""
-        mp, dtype = self.group.mp_policy, self.group.dtype
+        mp, dtype = self._mp, self.dtype
         return mp.param_dtype if mp.param_dtype is not None and dtype.is_floating_point else dtype
 
     def wrap(self, ref: ParamRef, local: torch.Tensor) -> torch.Tensor:
@@ -277,7 +295,7 @@ class SubclassGather:
             )
         if e.held is None:
             assert e.original is not None and ref.placement is not None  # set at __init__
-            r0, r1 = ref.placement.local_row_range(ref.shape, self.group.rank)
+            r0, r1 = ref.placement.local_row_range(ref.shape, self.rank)
             e.held, e.original = e.original.detach()[r0:r1].clone(), None
         return e.held
 
@@ -298,32 +316,33 @@ class SubclassGather:
             ``(work, send, received)``: the collective and its two byte buffers (1D uint8:
             the largest rank's bytes, and ``world`` times that).
         """
-        g = self.group
         inputs = []
         for e in self.entries.values():
             if not e.rows:
-                ranges = (e.ref.placement.local_row_range(e.ref.shape, r) for r in range(g.world))
+                ranges = (
+                    e.ref.placement.local_row_range(e.ref.shape, r) for r in range(self.world)
+                )
                 e.rows = tuple(b - a for a, b in ranges)
             ins, e.metadata = self._pre_all_gather(e)
             ins = tuple(self._unpadded(e, _plain_copy(x)) for x in ins)
             e.pieces = [self._piece(e, x) for x in ins]
             inputs.append(ins)
         # Every rank's send buffer, from the layout alone: piece after piece, each aligned.
-        ends = [0] * g.world
+        ends = [0] * self.world
         for e in self.entries.values():
             for piece in e.pieces:
                 piece.offsets = ends
                 ends = [_aligned(end + n) for end, n in zip(ends, piece.sizes)]
         width = max(*ends, _ALIGN)
-        send = torch.empty(width, dtype=torch.uint8, device=g.device)  # 1D, bytes
+        send = torch.empty(width, dtype=torch.uint8, device=self.device)  # 1D, bytes
         with torch.no_grad():
             for e, ins in zip(self.entries.values(), inputs):
                 for piece, x in zip(e.pieces, ins):
-                    at = piece.offsets[g.rank]
-                    send[at : at + piece.sizes[g.rank]].copy_(
+                    at = piece.offsets[self.rank]
+                    send[at : at + piece.sizes[self.rank]].copy_(
                         x.detach().reshape(-1).view(torch.uint8)
                     )  # the copy-in
-        received = torch.empty(g.world * width, dtype=torch.uint8, device=g.device)
+        received = torch.empty(self.world * width, dtype=torch.uint8, device=self.device)
         if gather is None:
             work = all_gather_single(received, send, group=process_group, async_op=True)
         else:
@@ -345,11 +364,11 @@ class SubclassGather:
                 self.mp_policy,
             )
         except Exception as err:
-            if e.rows[self.group.rank]:
+            if e.rows[self.rank]:
                 raise
             raise RuntimeError(
                 f"fully_shard: {_PRE} of parameter {e.ref.fqn!r} ({e.cls.__name__}) failed on "
-                f"rank {self.group.rank}, which holds none of its rows (RaggedShard packs whole "
+                f"rank {self.rank}, which holds none of its rows (RaggedShard packs whole "
                 f"rows: {list(e.rows)} per rank); a subclass whose hook cannot take an empty "
                 "shard needs rows on every rank: fully_shard its module apart, or (torchao "
                 "float8) call precompute_float8_dynamic_scale_for_fsdp after each step"
@@ -359,34 +378,33 @@ class SubclassGather:
         """This rank's rows of an input padded as FSDP2 asks where its chunks are uneven:
         ``ceil(rows / world)`` rows on every rank, its own first (torch's padded-chunk
         rule). Every rank decides alike: from the input's shape and the layout."""
-        g = self.group
-        chunk, mine = -(-sum(e.rows) // g.world), e.rows[g.rank]
+        chunk, mine = -(-sum(e.rows) // self.world), e.rows[self.rank]
         padded = isinstance(x, torch.Tensor) and x.dim() >= 1 and x.shape[0] == chunk
         if padded and mine != chunk and len(set(e.rows)) > 1 and max(e.rows) <= chunk:
             return x[:mine]
         return x
 
     def _piece(self, e: _Entry, x) -> _Piece:
-        g = self.group
         where = f"fully_shard: {_PRE} of parameter {e.ref.fqn!r} ({e.cls.__name__}) returned"
         if not isinstance(x, torch.Tensor) or not is_plain(x):
             raise TypeError(
                 f"{where} an all-gather input of type {type(x).__name__}: expected plain tensors"
             )
-        if x.device != g.device:
+        if x.device != self.device:
             raise RuntimeError(
-                f"{where} an all-gather input on {x.device}, not on the buffer's device {g.device}"
+                f"{where} an all-gather input on {x.device}, not on the buffer's device "
+                f"{self.device}"
             )
         size = x.element_size()
-        if x.dim() >= 1 and x.shape[0] == e.rows[g.rank]:  # dim 0: this rank's rows
+        if x.dim() >= 1 and x.shape[0] == e.rows[self.rank]:  # dim 0: this rank's rows
             rest = tuple(x.shape[1:])
             shapes = [(n, *rest) for n in e.rows]
         elif len(set(e.rows)) == 1:  # even rows: every rank's input has this shape
-            shapes = [tuple(x.shape) if x.dim() else (1,)] * g.world
+            shapes = [tuple(x.shape) if x.dim() else (1,)] * self.world
         else:
             raise RuntimeError(
-                f"{where} an all-gather input of shape {tuple(x.shape)} on rank {g.rank}, "
-                f"which holds {e.rows[g.rank]} of its rows; RaggedShard's shards are uneven "
+                f"{where} an all-gather input of shape {tuple(x.shape)} on rank {self.rank}, "
+                f"which holds {e.rows[self.rank]} of its rows; RaggedShard's shards are uneven "
                 f"({list(e.rows)} rows per rank): each input must have the shard's rows as dim 0"
             )
         out_shape = (sum(s[0] for s in shapes), *shapes[0][1:])
@@ -394,12 +412,11 @@ class SubclassGather:
 
     def finish(self, received: torch.Tensor) -> None:
         """Copy each input's pieces, rank after rank, into its output: the copy-out."""
-        g = self.group
-        width = received.numel() // g.world
+        width = received.numel() // self.world
         for e in self.entries.values():
             got = [(p.out_shape, p.dtype) for p in e.pieces]
             if e.ref.unsharded is None:  # the first gather, or after to() / a load: new ones
-                e.outputs = [torch.empty(s, dtype=d, device=g.device) for s, d in got]
+                e.outputs = [torch.empty(s, dtype=d, device=self.device) for s, d in got]
                 e.inner = ()
             elif got != [(tuple(t.shape), t.dtype) for t in e.outputs]:  # out= refills them
                 raise RuntimeError(
@@ -418,7 +435,7 @@ class SubclassGather:
                         received[r * width + p.offsets[r] :][: p.sizes[r]]
                         .view(p.dtype)
                         .view(p.shapes[r])
-                        for r in range(g.world)
+                        for r in range(self.world)
                     ]
                     torch.cat(parts, dim=0, out=out)
 

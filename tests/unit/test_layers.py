@@ -5,9 +5,9 @@ Three rules, checked on the files themselves (no import runs):
 * the root package holds only ``__init__.py``, ``__main__.py``, the layer folders and
   the deprecated paths of moved modules (``placement.py`` and the like), each of which
   imports nothing but its new module;
-* no import circle between files, counting imports inside functions too (a lazy
-  import hides a circle from Python, not from a reader); imports under
-  ``if TYPE_CHECKING:`` name types for annotations and never run, so they do not count;
+* no import circle between files, counting imports inside functions (a lazy import
+  hides a circle from Python, not from a reader) and under ``if TYPE_CHECKING:`` (they
+  never run, but a file naming another's types depends on it as much);
 * nothing outside a package imports its private names: a dotted path whose segment
   starts with ``_`` belongs to the package before that segment, and only files inside
   that package may name it. Tests and benchmarks follow the same rule.
@@ -30,21 +30,12 @@ def _module_name(path: Path) -> str:
     return ".".join(parts)
 
 
-def _imports(path: Path, runtime_only: bool = False) -> list[tuple[int, str]]:
-    """(line, dotted name) of every ``raggedfsdp`` name the file imports, at any depth
-    (those under ``if TYPE_CHECKING:`` too, unless ``runtime_only``)."""
+def _imports(path: Path) -> list[tuple[int, str]]:
+    """(line, dotted name) of every ``raggedfsdp`` name the file imports, at any depth,
+    those under ``if TYPE_CHECKING:`` included."""
     tree = ast.parse(path.read_text(), filename=str(path))
-    type_only = {
-        id(inner)
-        for node in ast.walk(tree)
-        if isinstance(node, ast.If) and ast.unparse(node.test).endswith("TYPE_CHECKING")
-        for stmt in node.body
-        for inner in ast.walk(stmt)
-    }
     found = []
     for node in ast.walk(tree):
-        if runtime_only and id(node) in type_only:
-            continue
         if isinstance(node, ast.Import):
             found += [(node.lineno, a.name) for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
@@ -95,8 +86,7 @@ def test_root_holds_only_entry_points_layer_folders_and_moved_paths():
 
 def test_no_import_circle_between_files():
     graph = {
-        mod: {_target(name) for _, name in _imports(path, runtime_only=True)} - {mod}
-        for mod, path in MODULES.items()
+        mod: {_target(name) for _, name in _imports(path)} - {mod} for mod, path in MODULES.items()
     }
     # Tarjan's strongly connected components: any component of two or more is a circle.
     index, low, stack, on_stack, circles = {}, {}, [], set(), []
