@@ -51,19 +51,13 @@ def group_specs(
 ) -> tuple[list[TensorSpec], list]:
     """The planner's view of a group's parameters, and each one's dtype (a buffer holds
     one dtype: a group of several is planned into one buffer per dtype). ``spmd``: the
-    whole mesh of a ``dp_mesh_dims`` call, whose data-parallel mesh is ``mesh``.
-
-    Raises:
-        NotImplementedError: a 0-d parameter.
+    whole mesh of a ``dp_mesh_dims`` call, whose data-parallel mesh is ``mesh``. A 0-d
+    parameter never gets here: ``fully_shard`` refuses it (``_checks.py``), and a
+    parameter re-assigned later must keep its shape.
     """
     local = _laid_out(refs, originals, mesh, spmd)
     specs = []
     for ref, p, as_held in zip(refs, local, originals):  # block policies see them as held
-        if p.dim() == 0:
-            raise NotImplementedError(
-                f"fully_shard: parameter {ref.fqn!r} is 0-d; RaggedShard cuts dims: pass it "
-                "in ignored_params or make it shape (1,)"
-            )
         rows = resolve_block_rows(block_policy, ref.fqn, as_held)
         specs.append(
             TensorSpec(name=ref.fqn, shape=tuple(p.shape), block_rows=rows, stack=p.dim() >= 3)
