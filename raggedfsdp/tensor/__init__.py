@@ -3,8 +3,8 @@
 ``RaggedShard`` (``placement.py``) cuts a tensor's rows into equal blocks and gives each
 rank a whole number of them. DTensor has no registry for new placements, so importing
 this package installs, once, the patches of ``_dtensor_ext`` (redistribution,
-element-wise, row-wise and reduction ops, checkpoint boxes) and ``_dtensor_init.py``
-(random init, ``any`` / ``all`` / ``select``, torch's state-dict helpers); see
+element-wise, row-wise and reduction ops, checkpoints and torch's state-dict helpers)
+and ``_dtensor_init.py`` (random init, ``any`` / ``all`` / ``select``); see
 [Note: DTensor patches]. ``collectives.py`` holds the two in-place collectives every
 layer above uses.
 """

@@ -28,7 +28,7 @@ custom op handlers                     norms, amax, amin safe on empty shards;
 ``DTensor.__create_write_items__``,    DCP boxes of a ragged row range
 ``__create_chunk_list__``,
 ``__get_tensor_shard__``
-``compute_local_shape_and_global_offset``  the box of the rank's rows (``_dtensor_init``)
+``compute_local_shape_and_global_offset``  the box of the rank's rows
 ``_state_dict_utils._distribute_tensors``  broadcast_from_rank0 keeps the rank's rows
 =====================================  ==============================================
 
@@ -36,7 +36,8 @@ One module per kind of patch, each importing only those before it: ``checks.py``
 (where a RaggedShard cuts), ``creation.py`` (``from_local``, ``distribute_tensor``),
 ``redistribute.py``, ``rowwise.py`` (the row-wise rules), ``propagation.py`` (which ops
 keep a RaggedShard), ``handlers.py`` (the custom op handlers and the propagation's
-install), ``dcp.py`` (checkpoint boxes); this file installs them.
+install), ``dcp.py`` (checkpoint boxes and torch's state-dict helpers); this file
+installs them.
 
 The patches are installed once, by ``install()``, when the package ``raggedfsdp.tensor``
 is imported (as it is by anything that uses a RaggedShard: ``from raggedfsdp import
@@ -76,6 +77,7 @@ from raggedfsdp.tensor._dtensor_ext.dcp import (
     _create_chunk_list,
     _create_write_items,
     _get_tensor_shard,
+    install_state_dict_helpers,
     range_to_boxes,
 )
 from raggedfsdp.tensor._dtensor_ext.handlers import _install_propagation, _to_torch
@@ -130,4 +132,5 @@ def install() -> None:
     DTensor.__create_write_items__ = _create_write_items  # type: ignore[method-assign]
     DTensor.__create_chunk_list__ = _create_chunk_list  # type: ignore[method-assign]
     DTensor.__get_tensor_shard__ = _get_tensor_shard  # type: ignore[method-assign]
+    install_state_dict_helpers()
     _installed = True
