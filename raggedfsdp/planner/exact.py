@@ -64,10 +64,6 @@ def plan_exact(
         ValueError: the instance is too large for the MILP (it would have more
             than 20,000 binaries); use ``plan_buffer``.
     """
-    import numpy as np
-    from scipy.optimize import Bounds, LinearConstraint, milp
-    from scipy.sparse import lil_matrix
-
     specs = list(tensors)
     m = _check_world(world_size)
     dname, a = alignment_elems(dtype, alignment_bytes)
@@ -131,21 +127,7 @@ def plan_exact(
         row({v_u[t]: a, v_u[u]: -a, z: M}, -inf, M - et)  # o_t + e_t <= o_u + M(1-z)
         row({v_u[u]: a, v_u[t]: -a, z: -M}, -inf, -eu)  # o_u + e_u <= o_t + M z
 
-    A_mat = lil_matrix((len(rows), len(names)))
-    rlo, rhi = np.empty(len(rows)), np.empty(len(rows))
-    for i, (coefs, lb_, ub_) in enumerate(rows):
-        for j, c in coefs.items():
-            A_mat[i, j] = c
-        rlo[i], rhi[i] = lb_, ub_
-    cost = np.zeros(len(names))
-    cost[v_s] = 1.0
-    res = milp(
-        cost,
-        constraints=LinearConstraint(A_mat.tocsr(), rlo, rhi),
-        integrality=np.array(integ),
-        bounds=Bounds(np.array(lo), np.array(hi)),
-        options={"time_limit": time_limit, "disp": False},
-    )
+    res = _minimize(v_s, rows, lo, hi, integ, time_limit)
     if res.x is None:  # time limit without a solution: the heuristic stands
         return heur, False
     proven = res.status == 0
@@ -173,6 +155,37 @@ def plan_exact(
         lower_bound=lb,
     )
     return layout, proven
+
+
+def _minimize(
+    objective: int,
+    rows: list[tuple[dict[int, float], float, float]],
+    lo: list[float],
+    hi: list[float],
+    integ: list[int],
+    time_limit: float,
+):
+    """HiGHS's ``milp``: minimize variable ``objective`` subject to ``lb <= coefs . x <=
+    ub`` for each row and ``lo <= x <= hi``; returns scipy's result."""
+    import numpy as np
+    from scipy.optimize import Bounds, LinearConstraint, milp
+    from scipy.sparse import lil_matrix
+
+    A_mat = lil_matrix((len(rows), len(lo)))
+    rlo, rhi = np.empty(len(rows)), np.empty(len(rows))
+    for i, (coefs, lb_, ub_) in enumerate(rows):
+        for j, c in coefs.items():
+            A_mat[i, j] = c
+        rlo[i], rhi[i] = lb_, ub_
+    cost = np.zeros(len(lo))
+    cost[objective] = 1.0
+    return milp(
+        cost,
+        constraints=LinearConstraint(A_mat.tocsr(), rlo, rhi),
+        integrality=np.array(integ),
+        bounds=Bounds(np.array(lo), np.array(hi)),
+        options={"time_limit": time_limit, "disp": False},
+    )
 
 
 def plan_buffers_exact(
