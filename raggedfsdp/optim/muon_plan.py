@@ -192,7 +192,7 @@ def plan_matrices(
     Args:
         params: per parameter, ``(global shape, its RaggedShard placement, ns_steps)``.
         world_size: ranks of the mesh dim the RaggedShard cuts (the shard dim under
-            HSDP: see [Note: Muon under HSDP] in ``muon.py``).
+            HSDP: see [Note: Muon under HSDP] in ``_muon_exchange.py``).
     """
     matrices, flops = [], []
     for k, (shape, rs, ns_steps) in enumerate(params):
