@@ -1,6 +1,6 @@
 """The package's shape: the layers of docs/architecture.md, read from the source.
 
-Three rules, checked on the files themselves (no import runs):
+Three rules of shape, checked on the files themselves (no import runs):
 
 * the root package holds only ``__init__.py``, ``__main__.py``, the layer folders and
   the deprecated paths of moved modules (``placement.py`` and the like), each of which
@@ -11,6 +11,9 @@ Three rules, checked on the files themselves (no import runs):
 * nothing outside a package imports its private names: a dotted path whose segment
   starts with ``_`` belongs to the package before that segment, and only files inside
   that package may name it. Tests and benchmarks follow the same rule.
+
+And one rule of size, for the library's layers: no file over 700 lines, no function
+body (its docstring aside) over 100.
 """
 
 from __future__ import annotations
@@ -146,3 +149,35 @@ def test_nothing_imports_another_packages_private_names():
     ]
     bad = [v for path in sorted(files) for v in _violations(path)]
     assert bad == []
+
+
+# The library's layers (what users import); the application (cli, train, models, tools)
+# has its own, looser shape.
+LIBRARY = ("tensor", "planner", "fsdp", "optim", "checkpoint")
+MAX_FILE_LINES = 700
+MAX_BODY_LINES = 100
+
+
+def _long_bodies(path: Path) -> list[str]:
+    """Functions of ``path`` whose body (docstring excluded) spans over MAX_BODY_LINES."""
+    long = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        body = node.body
+        if ast.get_docstring(node) is not None:
+            body = body[1:]
+        if body and body[-1].end_lineno - body[0].lineno + 1 > MAX_BODY_LINES:
+            long.append(f"{path.relative_to(ROOT)}:{node.lineno}: {node.name}")
+    return long
+
+
+def test_library_files_and_functions_stay_readable():
+    files = sorted(p for layer in LIBRARY for p in (PACKAGE / layer).rglob("*.py"))
+    too_long = [
+        f"{p.relative_to(ROOT)}: {n} lines"
+        for p in files
+        if (n := len(p.read_text().splitlines())) > MAX_FILE_LINES
+    ]
+    assert too_long == []
+    assert [f for p in files for f in _long_bodies(p)] == []
