@@ -267,7 +267,9 @@ class ParamGroup:
         if not self._holds(ref):  # a parameter of its own rows is in no buffer (buffer_of)
             setattr(ref.sharded, OWNER_ATTR, (weakref.ref(self), self._index_of[id(ref)]))
 
-    def _dtensor(self, ref: ParamRef, local: torch.Tensor, stride=None) -> DTensor:
+    def _dtensor(
+        self, ref: ParamRef, local: torch.Tensor, stride: tuple[int, ...] | None = None
+    ) -> DTensor:
         """``local`` (a view of the shard storage, or of the shard gradient storage) as
         ``ref``'s sharded DTensor; ``stride`` None: the sharded parameter's."""
         mesh, placements = self.param_mesh(ref), self.placements(ref)
