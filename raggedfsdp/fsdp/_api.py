@@ -28,7 +28,7 @@ from raggedfsdp.fsdp._group_set import GroupSet
 from raggedfsdp.fsdp._mesh import dp_key
 from raggedfsdp.fsdp._planning import GroupOptions, _plan_groups
 from raggedfsdp.fsdp._policy import BlockPolicy, BlockRows, MixedPrecisionPolicy
-from raggedfsdp.fsdp._records import ShardedState
+from raggedfsdp.fsdp._records import CommSettings, ShardedState
 from raggedfsdp.fsdp._state import FSDPState, state_of
 from raggedfsdp.fsdp._torch_state import register_torch_state
 from raggedfsdp.planner import DEFAULT_MAX_BUFFERS
@@ -167,11 +167,12 @@ def fully_shard(
         offload=isinstance(offload_policy, CPUOffloadPolicy),
         pin_memory=getattr(offload_policy, "pin_memory", True),
         grads_in_params=grads_in_params,
+        settings=CommSettings(),  # the call's, shared by its state and its groups
     )
     group = _plan_groups(refs, originals, meshes, spmds, options)
     for ref, p in zip(refs, originals):
         setattr(p, _UID_ATTR, ref.origin)
-    state = FSDPState(modules, group, mesh, mp_policy, reshard_after_forward)
+    state = FSDPState(modules, group, mesh, mp_policy, reshard_after_forward, options.settings)
     for m in modules:
         _become_fsdp_module(m, state, group, one=len(modules) == 1)
     return module
@@ -183,7 +184,7 @@ def _become_fsdp_module(m: nn.Module, state: FSDPState, group, one: bool) -> Non
     position in the state dict, not by the module's prefix)."""
     m.__class__ = _fsdp_class(m.__class__)
     register_torch_state(m, state)  # see [Note: FSDP2's state, as torch reads it]
-    if group is not None:  # see [Note: assigned parameters] in _param_group.py
+    if group is not None:  # see [Note: assigned parameters] in _assigned.py
         where = {"prefix": ""}  # the module's prefix in the state dict being loaded
         m.register_load_state_dict_pre_hook(functools.partial(_before_load, group, where))
         m.register_load_state_dict_post_hook(
@@ -426,7 +427,7 @@ class FSDPModule(TorchFSDPModule):
         Raises:
             ValueError: the group's parameters live on several meshes (as FSDP2).
         """
-        self._set_comm("set_custom_all_gather", all_gather_comm=comm)
+        self._comm_settings("set_custom_all_gather").all_gather_comm = comm
 
     def set_custom_reduce_scatter(self, comm) -> None:
         """Run every reduce-scatter of this module's group through ``comm`` (FSDP2's
@@ -436,10 +437,12 @@ class FSDPModule(TorchFSDPModule):
         Raises:
             ValueError: the group's parameters live on several meshes (as FSDP2).
         """
-        self._set_comm("set_custom_reduce_scatter", reduce_scatter_comm=comm)
+        self._comm_settings("set_custom_reduce_scatter").reduce_scatter_comm = comm
 
-    def _set_comm(self, what: str, **comm) -> None:
-        """[Note: custom collectives]
+    def _comm_settings(self, what: str) -> CommSettings:
+        """The settings a custom collective is set in, once checked (``what``: the method).
+
+        [Note: custom collectives]
         FSDP2 lets a user replace its all-gather and reduce-scatter (``AllGather`` /
         ``ReduceScatter``: an ``allocate(size, dtype=, device=)`` for its staging buffers
         and a ``__call__``). raggedfsdp has no staging buffers: its collectives run in
@@ -469,16 +472,16 @@ class FSDPModule(TorchFSDPModule):
                 "via shard_placement_fn). The custom comm would be ambiguous across groups "
                 "with different meshes."
             )
-        state.set_comms(**comm)
+        return state.settings
 
     def _no_custom_comm(self, what: str) -> list:
         """The group's buffers; AssertionError where a custom comm is set (as FSDP2)."""
         state = _checked_state(self)
         groups = [] if state.group is None else state.group.groups
-        for g in groups:
+        if groups:
             for kind, comm in (
-                ("all gather", g.all_gather_comm),
-                ("reduce scatter", g.reduce_scatter_comm),
+                ("all gather", state.settings.all_gather_comm),
+                ("reduce scatter", state.settings.reduce_scatter_comm),
             ):
                 if comm is not None:
                     raise AssertionError(

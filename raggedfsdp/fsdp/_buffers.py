@@ -211,19 +211,19 @@ class BufferView:
         """``unsharded`` holds gradients (some written over their parameters in this
         backward, or all of them, until the reduce-scatter is waited)."""
         group = self._group
-        return group._grads_hold_params or any(ref.grad_in_place for ref in group.refs)
+        return group.grads.holds_params or any(ref.grad_in_place for ref in group.refs)
 
     @property
     def grads_in_params_ran(self) -> bool | None:
         """Whether the last backward wrote the gradients over the parameters ([Note:
         gradients in place]); False: it used ``unsharded_grad``; None before any backward."""
-        return self._group.grads_in_params_ran
+        return self._group.grads.in_params_ran
 
     @property
     def grad_storage_reason(self) -> str | None:
         """Why the last backward used ``unsharded_grad`` (``grads_in_params=False``,
         ``create_graph=True``, a hook that may read the parameters...), else None."""
-        return self._group.grad_storage_reason
+        return self._group.grads.storage_reason
 
     @property
     def unsharded_nbytes(self) -> int:

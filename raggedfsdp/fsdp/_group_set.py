@@ -16,6 +16,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from raggedfsdp.fsdp._grads import holds_unreduced_grads, release_dropped_grads
 from raggedfsdp.fsdp._param_group import ParamGroup
 from raggedfsdp.fsdp._records import ParamRef, ShardedState
 
@@ -36,15 +37,6 @@ class GroupSet:
             raise ValueError(f"GroupSet {name}: no buffer")
         self.groups = list(groups)
         self.name = name
-
-    def configure(self, **settings) -> None:
-        """Write ``FSDPState``'s settings (``requires_gradient_sync=...``, ...) on every
-        buffer's group; each must be an attribute the group already has."""
-        for key, value in settings.items():
-            for g in self.groups:
-                if not hasattr(g, key):
-                    raise AttributeError(f"GroupSet {self.name}: {key!r} is not a setting")
-                setattr(g, key, value)
 
     # ---- what every buffer shares ----------------------------------------------------------
     @property
@@ -106,7 +98,7 @@ class GroupSet:
 
     def adopt_registered(self) -> None:
         """At lazy init: see [Note: parameters registered after fully_shard] in
-        ``_param_group.py``, and [Note: re-tied parameters]."""
+        ``_assigned.py``, and [Note: re-tied parameters]."""
         if all(g.state is ShardedState.SHARDED for g in self.groups) and self._ties_changed():
             self._replan()
         for g in self.groups:
@@ -134,7 +126,9 @@ class GroupSet:
         parameters the modules now hold, each once with all its uses, so the tied
         parameter is one tensor in one buffer, its gradient the sum of its uses'. Each
         parameter keeps its identity (an optimizer built already still holds it); the
-        group's settings (``set_*`` called before the first forward) carry over.
+        group's settings (``set_*`` called before the first forward) carry over: the new
+        groups share the call's ``CommSettings`` (``replan`` builds them with it) and take
+        the old ones' post-forward and reduce-scatter process groups.
         Parameters tied across meshes, tensor-parallel or tensor-subclass ones, a tie
         undone, and a group partly on meta are refused by name.
         """
@@ -191,8 +185,7 @@ class GroupSet:
             new_groups = replan([ref for ref, _ in mine], originals)
             for g in new_groups:
                 g.replan = replan
-                for setting in _SETTINGS:
-                    setattr(g, setting, getattr(groups[0], setting))
+                g.post_forward_group = groups[0].post_forward_group
                 if groups[0].reduce_process_group is not groups[0].process_group:
                     g.use_separate_reduce_scatter_group(True)
             rebuilt += new_groups
@@ -201,7 +194,7 @@ class GroupSet:
     # ---- gradients -------------------------------------------------------------------------
     def release_dropped_grads(self) -> None:
         for g in self.groups:
-            g.release_dropped_grads()
+            release_dropped_grads(g.grads, g.refs, g.dbuf)
 
     def prepare_grads(
         self, unsharded: bool = True, reshard: bool = True, module_hooks: str | None = None
@@ -211,7 +204,7 @@ class GroupSet:
 
     @property
     def needs_post_backward(self) -> bool:
-        return any(g.needs_post_backward for g in self.groups)
+        return any(g.grads.needs_post_backward for g in self.groups)
 
     def post_backward(self, reshard: bool) -> None:
         for g in self.groups:
@@ -219,20 +212,24 @@ class GroupSet:
 
     @property
     def holds_unreduced_grads(self) -> bool:
-        return any(g.holds_unreduced_grads for g in self.groups)
+        """Gradients accumulated without sync wait for a reduce-scatter."""
+        return any(holds_unreduced_grads(g.grads, g.dbuf) for g in self.groups)
 
     def reduce_held_grads(self, reshard: bool) -> None:
+        """``post_backward`` outside a backward, for gradients accumulated without sync
+        (``FSDPState.reduce_held_grads``)."""
         for g in self.groups:
-            if g.holds_unreduced_grads:
-                g.reduce_held_grads(reshard=reshard)
+            if holds_unreduced_grads(g.grads, g.dbuf):
+                g.grads.needs_post_backward = True
+                g.post_backward(reshard=reshard)
 
     @property
     def reduce_pending(self) -> bool:
-        return any(g.reduce_pending for g in self.groups)
+        return any(g.grads.reduce_pending for g in self.groups)
 
     @property
     def reduce_in_flight(self) -> bool:
-        return any(g.reduce_in_flight for g in self.groups)
+        return any(g.grads.reduce_in_flight for g in self.groups)
 
     def wait_reduce(self) -> None:
         for g in self.groups:
@@ -245,20 +242,6 @@ class GroupSet:
     def reset_iter_state(self) -> None:
         for g in self.groups:
             g.reset_iter_state()
-
-
-# What FSDPState.configure and its set_* methods write on a group: kept by a re-plan.
-_SETTINGS = (
-    "requires_gradient_sync",
-    "gradient_divide_factor",
-    "requires_all_reduce",
-    "force_sum_reduction",
-    "reduce_scatter_unused_params",
-    "all_reduce_hook",
-    "post_forward_group",
-    "all_gather_comm",
-    "reduce_scatter_comm",
-)
 
 
 def _full_value(p: torch.Tensor) -> torch.Tensor:

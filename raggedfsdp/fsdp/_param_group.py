@@ -8,19 +8,32 @@ from collections.abc import Callable
 from typing import cast
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 
-from raggedfsdp.fsdp._device import can_pin_memory, mesh_device, streams_for
+from raggedfsdp.fsdp._assigned import assigned_piece, held, views_shard
+from raggedfsdp.fsdp._device import can_pin_memory, mesh_device, new_group_like, streams_for
 from raggedfsdp.fsdp._fp8 import Float8BlockAllGather, Fp8Layout
-from raggedfsdp.fsdp._grads import GradientPath, mark_got_grad
+from raggedfsdp.fsdp._grads import (
+    GradState,
+    ReduceSpec,
+    finalize_grads,
+    finish_backward,
+    first_grad,
+    mark_got_grad,
+    prepare_grads,
+    reset_grads,
+    start_reduce,
+    wait_reduce,
+)
 from raggedfsdp.fsdp._hooks import reads_no_parameters
 from raggedfsdp.fsdp._policy import MixedPrecisionPolicy, resolve_block_rows
 from raggedfsdp.fsdp._records import (
     OWNER_ATTR,
+    CommSettings,
     ParamRef,
     PendingGather,
-    PendingReduce,
     ShardedState,
 )
 from raggedfsdp.fsdp._reshard import PostForwardGroup
@@ -65,7 +78,7 @@ def group_specs(
     return specs, [p.dtype for p in local]
 
 
-class ParamGroup(GradientPath):
+class ParamGroup:
     """One buffer's worth of parameters: shard, unshard, reshard, reduce gradients.
 
     [Note: group states]
@@ -97,6 +110,8 @@ class ParamGroup(GradientPath):
         mp_policy: mixed precision.
         layout: the buffer's layout, planned by the caller (``plan_buffers``): of all the
             call's parameters, or of one buffer's of a ``GroupSet``.
+        settings: the call's communication settings, shared with its ``FSDPState`` and
+            its other buffers' groups (read at each collective).
         name: how messages name the group (the module's class).
         offload: CPU offload (torch's ``CPUOffloadPolicy``): see [Note: CPU offload].
         pin_memory: pin the offloaded shard storages (with an accelerator).
@@ -124,6 +139,7 @@ class ParamGroup(GradientPath):
         mesh,
         mp_policy: MixedPrecisionPolicy,
         layout: BufferLayout,
+        settings: CommSettings,
         name: str = "",
         offload: bool = False,
         pin_memory: bool = True,
@@ -145,8 +161,7 @@ class ParamGroup(GradientPath):
         self.rank, self.world = mesh.get_local_rank(shard_dim), mesh.size(shard_dim)
         self.replicate_group = mesh.get_group(0) if mesh.ndim == 2 else None
         self.replicate_size = mesh.size(0) if mesh.ndim == 2 else 1
-        self.requires_all_reduce = True  # HSDP: False skips the all-reduce (accumulation)
-        self._partial_reduce: torch.Tensor | None = None  # 1D, S: reduced, not all-reduced
+        self.settings = settings  # the call's, shared: FSDPModule.set_* write it
         # What the buffer lays out: each local tensor (``ref.tp`` set by ``group_specs``).
         originals = [p.to_local() if ref.tp is not None else p for ref, p in zip(refs, originals)]
         self.dtype = originals[0].dtype  # one dtype: checked by group_specs
@@ -182,23 +197,8 @@ class ParamGroup(GradientPath):
         self._gather: PendingGather | None = None
         self._post_forward_piece: torch.Tensor | None = None  # 1D, m*S/k (SHARDED_POST_FORWARD)
         self.post_forward_group: PostForwardGroup | None = None  # reshard_after_forward=int
-        self.needs_post_backward = False
-        self.grads_in_params = grads_in_params
-        self._in_place = False  # this backward writes gradients over the parameters
-        self.grads_in_params_ran: bool | None = None  # the last backward's mode (reported)
-        self.grad_storage_reason: str | None = None  # why it kept a gradient storage
-        self._grads_hold_params = False  # the global parameter storage holds gradients
-        self._reduce: PendingReduce | None = None
-        self.requires_gradient_sync = True
-        self.gradient_divide_factor: float | None = None
-        self._accumulated: torch.Tensor | None = None  # see _accumulate_in_reduce_dtype
-        self.force_sum_reduction = False  # SUM, then divide (set_force_sum_reduction_for_comms)
-        self.all_reduce_hook = None  # called on the reduce-scatter output (set_all_reduce_hook)
-        # set_custom_all_gather / set_custom_reduce_scatter: see [Note: custom collectives]
-        self.all_gather_comm = None
-        self.reduce_scatter_comm = None
-        # set_reduce_scatter_unused_params: see [Note: unused parameters]
-        self.reduce_scatter_unused_params = False
+        self.grads_in_params = grads_in_params  # see [Note: gradients in place]
+        self.grads = GradState()  # from a pre-backward to the sharded .grads: see _grads.py
         self.reduce_process_group = self.process_group  # or its own (separate RS group)
         self.unloaded: dict[str, str] = {}  # fqn -> key, on meta after a partial load
         # (refs, originals) -> the ParamGroups of this group's mesh, as fully_shard planned
@@ -244,10 +244,7 @@ class ParamGroup(GradientPath):
         local = self.dbuf.shard_view(ref.fqn)
         if self.subclass is not None:  # see [Note: tensor-subclass all-gather]
             local = self.subclass.wrap(ref, local)
-        stride = torch.empty(ref.shape, device="meta").stride()
-        dt = DTensor.from_local(
-            local, self.param_mesh(ref), self.placements(ref), shape=ref.shape, stride=stride
-        )
+        dt = self._dtensor(ref, local, torch.empty(ref.shape, device="meta").stride())
         if ref.sharded is None:
             ref.sharded = nn.Parameter(dt, requires_grad=ref.requires_grad)
         else:  # re-point an existing parameter (after to_empty / _apply), keeping its identity
@@ -255,6 +252,15 @@ class ParamGroup(GradientPath):
             cast(DTensor, ref.sharded)._spec = dt._spec  # an adopted DTensor's placements
         if not self._holds(ref):  # a parameter of its own rows is in no buffer (buffer_of)
             setattr(ref.sharded, OWNER_ATTR, (weakref.ref(self), self._index_of[id(ref)]))
+
+    def _dtensor(
+        self, ref: ParamRef, local: torch.Tensor, stride: tuple[int, ...] | None = None
+    ) -> DTensor:
+        """``local`` (a view of the shard storage, or of the shard gradient storage) as
+        ``ref``'s sharded DTensor; ``stride`` None: the sharded parameter's."""
+        mesh, placements = self.param_mesh(ref), self.placements(ref)
+        stride = ref.param.stride() if stride is None else stride
+        return DTensor.from_local(local, mesh, placements, shape=ref.shape, stride=stride)
 
     def _holds(self, ref: ParamRef) -> bool:
         """A subclass parameter holding rows of its own, not a view of the shard storage
@@ -268,7 +274,7 @@ class ParamGroup(GradientPath):
         storage on its device and make the parameters views again.
         """
         self._expect("Module._apply (to, to_empty)", ShardedState.SHARDED)
-        current = {ref.fqn: _held(ref) for ref in self.refs}
+        current = {ref.fqn: held(ref) for ref in self.refs}
         first = next(iter(current.values()))
         local0 = first._local_tensor if isinstance(first, DTensor) else first
         shard_device = torch.device("cpu") if self.offload else local0.device
@@ -311,20 +317,9 @@ class ParamGroup(GradientPath):
             ref.register(ref.param)
 
     def adopt_assigned(self, prefix: str = "") -> None:
-        """Adopt what ``load_state_dict(..., assign=True)`` put in the modules' place.
-
-        [Note: assigned parameters]
-        An assigning load (Hugging Face accelerate's ``cpu_ram_efficient_loading``, torch's
-        ``set_model_state_dict`` on a meta model) replaces each module's sharded parameter
-        with the state dict's tensor, outside the buffer. Each one is taken here (the
-        module's load_state_dict post-hook): a DTensor on the parameter's own mesh with its
-        own placements gives its local tensor; a plain tensor of the full shape gives this
-        rank's rows. The values are copied into the shard storage (rebuilt on their device,
-        as ``reset_after_apply`` does, when the group was on meta or on another device), and
-        every parameter is again a view of it: the assigned DTensor parameter keeps its
-        identity, its local tensor now the view. A parameter a partial load (``strict=False``)
-        left on meta is listed in ``unloaded`` until a later load assigns it; a forward
-        before then raises, naming it.
+        """Adopt what ``load_state_dict(..., assign=True)`` put in the modules' place (the
+        module's load_state_dict post-hook): see [Note: assigned parameters] in
+        ``_assigned.py``.
 
         Args:
             prefix: the group's module's prefix in the state dict (how messages name the
@@ -338,22 +333,8 @@ class ParamGroup(GradientPath):
 
     def adopt_registered(self) -> None:
         """Adopt, at lazy init (the first forward), what the modules hold in place of the
-        sharded parameters, as FSDP2's ``reset_sharded_param`` does.
-
-        [Note: parameters registered after fully_shard]
-        Between ``fully_shard`` and the first forward a model may put new values in its
-        parameters' place: re-assign one (``module.w = nn.Parameter(...)``: re-init, a norm
-        computed from other weights), or materialize a submodule inside the group
-        (``submodule.to_empty(device)``, any ``Module._apply`` on it, as torchtune's LoRA
-        recipe does): ``Module._apply`` swaps a DTensor parameter's contents, so it keeps
-        its identity but no longer views the shard storage. FSDP2 takes each such value at
-        lazy init; so does raggedfsdp, through [Note: assigned parameters]'s path: a DTensor
-        on the parameter's mesh gives its rows (redistributed to the parameter's
-        RaggedShard if its placements differ), a plain tensor of the full shape this rank's
-        rows; the storages are rebuilt on the values' device when they were on meta. After
-        lazy init, as in FSDP2, a module's parameters are the group's: a later
-        re-assignment is replaced at the next unshard (``load_state_dict`` and the
-        fully_shard module's own ``to_empty`` / ``to`` still rebuild the storages).
+        sharded parameters, as FSDP2's ``reset_sharded_param`` does: see [Note: parameters
+        registered after fully_shard] in ``_assigned.py``.
 
         Raises:
             NotImplementedError: a value of another dtype than the group's buffer (a
@@ -363,23 +344,16 @@ class ParamGroup(GradientPath):
         if self.state is ShardedState.SHARDED:  # else the modules hold the unsharded ones
             self._adopt("", registered=True)
 
-    def _holds_view(self, param: torch.Tensor) -> bool:
-        """Whether ``param`` (a sharded parameter) is still a view of the shard storage."""
-        if not isinstance(param, DTensor):
-            return False
-        local = values_of(param._local_tensor)
-        return local.untyped_storage()._cdata == self.dbuf.shard.untyped_storage()._cdata
-
     def _adopt(self, prefix: str, registered: bool) -> None:
-        """See [Note: assigned parameters], [Note: parameters registered after fully_shard]."""
-        current = {ref.fqn: _held(ref) for ref in self.refs}
+        """See ``adopt_assigned`` and ``adopt_registered``."""
+        current = {ref.fqn: held(ref) for ref in self.refs}
         assigned = [
             ref
             for ref in self.refs
             if current[ref.fqn] is not ref.sharded
             # materialized apart (a submodule's to_empty), before a load or a forward; a
             # subclass parameter holding rows of its own views no storage of ours
-            or (not self._holds(ref) and not self._holds_view(current[ref.fqn]))
+            or (not self._holds(ref) and not views_shard(current[ref.fqn], self.dbuf.shard))
         ]
         if not assigned:
             if self.dbuf.shard.is_meta and not registered:  # a load left it on meta: name them
@@ -388,7 +362,19 @@ class ParamGroup(GradientPath):
         self._expect("load_state_dict(assign=True)", ShardedState.SHARDED)
         try:
             pieces = {
-                r.fqn: self._assigned_piece(r, current[r.fqn], prefix, registered) for r in assigned
+                r.fqn: assigned_piece(
+                    r,
+                    current[r.fqn],
+                    prefix + r.fqn,
+                    self.name,
+                    self.param_mesh(r),
+                    tuple(self.placements(r)),
+                    self.dtype,
+                    self.rank,
+                    self.dbuf,
+                    registered=registered,
+                )
+                for r in assigned
             }
             devices = {t.device for t in pieces.values() if t.device.type != "meta"}
             if len(devices) > 1:
@@ -433,70 +419,6 @@ class ParamGroup(GradientPath):
             ref.register(ref.param)
         self.unloaded = {r.fqn: unloaded[r.fqn] for r in self.refs if r.fqn in unloaded}
 
-    def _assigned_piece(
-        self, ref: ParamRef, new: torch.Tensor, prefix: str, registered: bool = False
-    ) -> torch.Tensor:
-        """This rank's part of the tensor an assigning load (or, with ``registered``, the
-        model before lazy init) put in ``ref``'s place, shaped as its shard view (see
-        [Note: assigned parameters])."""
-        name, mesh, placements = prefix + ref.fqn, self.param_mesh(ref), tuple(self.placements(ref))
-        what = "fully_shard (first forward)" if registered else "load_state_dict(assign=True)"
-        if registered:
-            if new.dtype != self.dtype:
-                raise NotImplementedError(
-                    f"fully_shard: parameter {name!r} of {self.name} now holds a tensor of "
-                    f"dtype {new.dtype}; its buffer holds {self.dtype}, and a group's buffers "
-                    "are planned per dtype when fully_shard runs: change the dtype of the "
-                    "module passed to fully_shard (module.to(dtype) re-plans its buffers), "
-                    "or before fully_shard"
-                )
-            if new.shape != ref.shape:
-                raise ValueError(
-                    f"fully_shard: parameter {name!r} of {self.name} now holds a tensor of "
-                    f"shape {tuple(new.shape)}, not {tuple(ref.shape)}; a group's buffers are "
-                    "planned when fully_shard runs: give it a tensor of its shape, or change "
-                    "the module before fully_shard"
-                )
-            if isinstance(new, DTensor) and new.device_mesh == mesh:
-                if new.is_meta:  # still to be materialized: listed in ``unloaded``
-                    return torch.empty_like(self.dbuf.shard_view(ref.fqn), device="meta")
-                if tuple(new.placements) != placements:
-                    new = new.redistribute(mesh, placements)
-                return new._local_tensor
-        fix = (
-            "assign a DTensor made with the sharded parameter's own mesh and placements "
-            "(distribute_tensor(full, param.device_mesh, param.placements), param from the "
-            "model's state_dict()), or a full tensor, or load without assign=True"
-        )
-        if new.dtype != self.dtype:
-            raise ValueError(
-                f"{what}: parameter {name!r} was assigned a tensor of "
-                f"dtype {new.dtype}; fully_shard holds it in {self.dtype}: cast the state "
-                "dict's tensor to it, or load without assign=True (which casts)"
-            )
-        if isinstance(new, DTensor):
-            if new.device_mesh == mesh and tuple(new.placements) == placements:
-                return new._local_tensor
-            raise ValueError(
-                f"{what}: parameter {name!r} was assigned a DTensor "
-                f"with placements {tuple(new.placements)} on {new.device_mesh}; expected "
-                f"{placements} on {mesh} (its RaggedShard): {fix}"
-            )
-        if type(new) in (torch.Tensor, nn.Parameter) and new.shape == ref.shape:
-            if ref.tp is not None:
-                raise ValueError(
-                    f"{what}: parameter {name!r} is tensor-parallel "
-                    f"and was assigned a plain tensor; expected a DTensor with placements "
-                    f"{placements} on {mesh}: {fix}"
-                )
-            assert ref.placement is not None  # set by __init__
-            return ref.placement.local_view(new.detach().contiguous(), self.rank)
-        raise ValueError(
-            f"{what}: parameter {name!r} was assigned a "
-            f"{type(new).__name__} of shape {tuple(new.shape)}; expected a DTensor with "
-            f"placements {placements} on {mesh} or a tensor of shape {tuple(ref.shape)}: {fix}"
-        )
-
     def on_meta(self) -> list[ParamRef]:
         """The parameters still on the meta device (all of them on a meta buffer, else the
         ones a partial load left there)."""
@@ -510,7 +432,7 @@ class ParamGroup(GradientPath):
         """Start (or do) the all-gather of the global storage; ``wait_for_unshard`` ends it."""
         if self.state is ShardedState.UNSHARDED or self._gather is not None:
             return  # a no-op by contract: see [Note: group states]
-        if self._grads_hold_params:  # a reduce-scatter still reads the storage
+        if self.grads.holds_params:  # a reduce-scatter still reads the storage
             self.wait_reduce()
         if self.device.type == "meta" or self.unloaded:  # the root checked at its first forward
             names = list(self.unloaded.values()) or [r.fqn for r in self.refs]
@@ -554,7 +476,7 @@ class ParamGroup(GradientPath):
         """One all-gather of the group, in place: ``out`` (1D, m x ``inp``) is the storage
         the parameters view (or the FP8 codes it decodes from), ``inp`` this rank's shard;
         through ``set_custom_all_gather``'s comm where one is set."""
-        comm = self.all_gather_comm
+        comm = self.settings.all_gather_comm
         if comm is None:
             return all_gather_single(out, inp, group=group, async_op=True)
         work = comm(output_tensor=out, input_tensor=inp, group=group, async_op=True)
@@ -638,8 +560,96 @@ class ParamGroup(GradientPath):
             ref.register(ref.param)
         self.state = ShardedState.SHARDED if keep is None else ShardedState.SHARDED_POST_FORWARD
 
+    # ---- gradients: the functions of ``_grads.py`` over this group's state -----------------
+    @property
+    def reduce_spec(self) -> ReduceSpec:
+        """Where and in which dtypes this group's gradients are reduced."""
+        return ReduceSpec(
+            self.reduce_process_group,
+            self.world,
+            self.replicate_group,
+            self.replicate_size,
+            self.dtype,
+            self.compute_dtype,
+            self.reduce_dtype,
+            self.device,
+            self.streams,
+            self.offload,
+        )
 
-def _held(ref: ParamRef) -> nn.Parameter:
-    """The parameter ``ref``'s first module holds (``register`` put it there, or a load)."""
-    module, name = ref.uses[0]
-    return cast(nn.Parameter, module._parameters[name])
+    def prepare_grads(
+        self, unsharded: bool = True, reshard: bool = True, module_hooks: str | None = None
+    ) -> None:
+        """Get ready for the group's gradients (pre-backward); see [Note: gradient storage].
+
+        Args:
+            unsharded: the parameters were unsharded for backward (False after
+                ``set_unshard_in_backward(False)``: backward needs only their gradients).
+            reshard: ``post_backward`` will reshard (``reshard_after_backward``).
+            module_hooks: a module backward hook that may read the group's parameters
+                in backward (named), or None.
+        """
+        if unsharded:
+            self._expect("prepare_grads (pre-backward)", ShardedState.UNSHARDED)
+        prepare_grads(
+            self.grads,
+            self.refs,
+            self.dbuf,
+            self.name,
+            self.settings,
+            grads_in_params=self.grads_in_params,
+            subclass=self.subclass is not None,
+            unsharded=unsharded,
+            reshard=reshard,
+            module_hooks=module_hooks,
+        )
+
+    def _first_grad_hook(self, ref: ParamRef, grad: torch.Tensor) -> torch.Tensor:
+        return first_grad(self.grads, self.refs, self.dbuf, self.name, ref, grad)
+
+    @phase("post_backward_reduce")
+    def post_backward(self, reshard: bool) -> None:
+        """The group's gradients are complete: start the reduce-scatter (or keep them)."""
+        if not self.grads.needs_post_backward:
+            raise AssertionError(
+                f"fully_shard group {self.name}: post_backward without a pre-backward "
+                f"(state {self.state.value})"
+            )
+        in_place = finish_backward(self.grads, self.refs, self.dbuf, self.name)
+        if in_place is not None:  # the storage holds the gradients: [Note: gradients in place]
+            self.reshard(free=False)
+            self.grads.holds_params = True
+        elif reshard:
+            self.reshard()
+        spec = self.reduce_spec
+        start_reduce(self.grads, self.refs, self.dbuf, self.name, spec, self.settings, in_place)
+
+    def wait_reduce(self) -> None:
+        """Wait for the reduce-scatter and free the unsharded gradients (the whole buffer)."""
+        wait_reduce(self.grads, self.refs, self.dbuf)
+
+    @phase("post_backward_set_grads")
+    def finalize_grads(self, got_grad: list[bool]) -> list[str]:
+        """Wait for the reduce-scatter and set the sharded ``.grad``s; returns the
+        parameters another rank's gradient arrived for while this rank had none (then no
+        gradient of the group is set). See ``_grads.finalize_grads``."""
+        spec, settings = self.reduce_spec, self.settings
+        return finalize_grads(
+            self.grads, self.refs, self.dbuf, self.name, spec, settings, got_grad, self._dtensor
+        )
+
+    def reset_iter_state(self) -> None:
+        """Drop the iteration: wait for collectives in flight, discard their results and the
+        unsharded gradients, reshard."""
+        if self._gather is not None:
+            self.wait_for_unshard()
+        reset_grads(self.grads, self.refs, self.dbuf)
+        self.reshard()
+
+    def use_separate_reduce_scatter_group(self, enable: bool) -> None:
+        """Reduce-scatter over a process group of its own (the same ranks), or the shared one."""
+        if enable and self.reduce_process_group is self.process_group:
+            ranks = dist.get_process_group_ranks(self.process_group)
+            self.reduce_process_group = new_group_like(ranks, self.process_group)
+        elif not enable:
+            self.reduce_process_group = self.process_group

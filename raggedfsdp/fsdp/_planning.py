@@ -17,6 +17,7 @@ from raggedfsdp.fsdp._group_set import GroupSet
 from raggedfsdp.fsdp._mesh import dp_key
 from raggedfsdp.fsdp._param_group import ParamGroup, group_specs
 from raggedfsdp.fsdp._policy import BlockPolicy, BlockRows, MixedPrecisionPolicy
+from raggedfsdp.fsdp._records import CommSettings
 from raggedfsdp.fsdp._subclass import subclass_params
 from raggedfsdp.fsdp._trace import logger
 from raggedfsdp.planner import (
@@ -30,7 +31,8 @@ from raggedfsdp.planner import (
 
 @dataclasses.dataclass(frozen=True)
 class GroupOptions:
-    """What every buffer of one ``fully_shard`` call is planned and built with."""
+    """What every buffer of one ``fully_shard`` call is planned and built with (``settings``
+    by reference: the one ``CommSettings`` of the call)."""
 
     mp_policy: MixedPrecisionPolicy
     block_policy: BlockPolicy | Callable[[str, nn.Parameter], BlockRows] | None
@@ -42,6 +44,7 @@ class GroupOptions:
     offload: bool
     pin_memory: bool
     grads_in_params: bool
+    settings: CommSettings
 
 
 def _plan_groups(refs, originals, meshes, spmds, options: GroupOptions) -> GroupSet | None:
@@ -214,6 +217,7 @@ def _new_group(refs, originals, mesh, spmd, options):
             mesh,
             mp_policy,
             layout,
+            options.settings,
             name=name,
             offload=options.offload,
             pin_memory=options.pin_memory,

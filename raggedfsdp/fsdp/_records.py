@@ -6,8 +6,9 @@ flight (``PendingGather``, ``PendingReduce``). See [Note: group states] in
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -18,7 +19,14 @@ from raggedfsdp.fsdp._tp import TPSpec
 from raggedfsdp.fsdp._weak import WeakPairs
 from raggedfsdp.tensor.placement import RaggedShard
 
-__all__ = ["OWNER_ATTR", "ParamRef", "PendingGather", "PendingReduce", "ShardedState"]
+__all__ = [
+    "CommSettings",
+    "OWNER_ATTR",
+    "ParamRef",
+    "PendingGather",
+    "PendingReduce",
+    "ShardedState",
+]
 
 # A sharded parameter knows its (weak reference to its group, index): how ``buffer_of``
 # finds its buffer. Weak, so that the group (which holds the parameter) and its storages
@@ -91,3 +99,22 @@ class ParamRef:
     def register(self, param: nn.Parameter) -> None:
         for module, name in self.uses:
             module._parameters[name] = param
+
+
+@dataclass(eq=False)
+class CommSettings:
+    """The communication settings of one ``fully_shard`` call: one object, made by
+    ``fully_shard`` and shared by reference by the call's ``FSDPState`` and every buffer's
+    ``ParamGroup`` (a re-plan hands it to the new groups, [Note: re-tied parameters] in
+    ``_group_set.py``). Each ``FSDPModule.set_*`` method writes its field here once."""
+
+    requires_gradient_sync: bool = True  # False: accumulate unsharded gradients locally
+    requires_all_reduce: bool = True  # HSDP: False keeps the reduced part (accumulation)
+    gradient_divide_factor: float | None = None  # see [Note: divide factors] in ``_divide.py``
+    force_sum_reduction: bool = False  # SUM, then divide (set_force_sum_reduction_for_comms)
+    reduce_scatter_unused_params: bool = False  # see [Note: unused parameters] in ``_state.py``
+    all_reduce_hook: Callable[[torch.Tensor], None] | None = None  # on the reduced output
+    # set_custom_all_gather / set_custom_reduce_scatter (FSDP2's AllGather, ReduceScatter),
+    # or None: see [Note: custom collectives] in ``_api.py``
+    all_gather_comm: Any = None
+    reduce_scatter_comm: Any = None

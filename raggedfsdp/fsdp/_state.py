@@ -32,6 +32,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from raggedfsdp.fsdp._hooks import may_read_parameters
 from raggedfsdp.fsdp._policy import MixedPrecisionPolicy
+from raggedfsdp.fsdp._records import CommSettings
 from raggedfsdp.fsdp._reshard import (
     PostForwardGroup,
     _post_forward_group,
@@ -94,7 +95,8 @@ def state_of(module: nn.Module) -> FSDPState | None:
 class FSDPState:
     """The hooks and settings of one ``fully_shard`` call (one module, or a list of modules
     forming one group: the group unshards before the first of them runs forward and
-    reshards after the last)."""
+    reshards after the last). ``settings``: the call's communication settings, which
+    its buffers' groups share (the ``set_*`` methods write them)."""
 
     _hooks_run_eagerly: ClassVar[bool] = False  # see _run_hooks_eagerly
 
@@ -105,12 +107,14 @@ class FSDPState:
         mesh,
         mp_policy: MixedPrecisionPolicy,
         reshard_after_forward: bool | int | None,
+        settings: CommSettings,
     ):
         self._modules = tuple(weakref.ref(m) for m in modules)  # they hold this state
         self.group = group
         self.name = group.name if group is not None else type(modules[0]).__name__
         self.mesh = mesh
         self.mp_policy = mp_policy
+        self.settings = settings
         self.reshard_after_backward = True
         self.set_reshard_after_forward(reshard_after_forward)
         self.training_state = TrainingState.IDLE
@@ -189,33 +193,22 @@ class FSDPState:
         self.reshard_after_backward = value
 
     def set_requires_gradient_sync(self, value: bool) -> None:
-        if self.group is not None:
-            self.group.configure(requires_gradient_sync=value)
+        self.settings.requires_gradient_sync = value
 
     def set_gradient_divide_factor(self, factor: float) -> None:
-        if self.group is not None:
-            self.group.configure(gradient_divide_factor=float(factor))
+        self.settings.gradient_divide_factor = float(factor)
 
     def set_requires_all_reduce(self, value: bool) -> None:
-        if self.group is not None:
-            self.group.configure(requires_all_reduce=value)
+        self.settings.requires_all_reduce = value
 
     def set_force_sum_reduction(self, value: bool) -> None:
-        if self.group is not None:
-            self.group.configure(force_sum_reduction=value)
+        self.settings.force_sum_reduction = value
 
     def set_reduce_scatter_unused_params(self, value: bool) -> None:
-        if self.group is not None:
-            self.group.configure(reduce_scatter_unused_params=value)
+        self.settings.reduce_scatter_unused_params = value
 
     def set_all_reduce_hook(self, hook) -> None:
-        if self.group is not None:
-            self.group.configure(all_reduce_hook=hook)
-
-    def set_comms(self, **comms) -> None:
-        """``all_gather_comm`` / ``reduce_scatter_comm``: see [Note: custom collectives]."""
-        if self.group is not None:
-            self.group.configure(**comms)
+        self.settings.all_reduce_hook = hook
 
     def set_max_reduces_in_flight(self, value: int) -> None:
         self.max_reduces_in_flight = value
@@ -600,7 +593,7 @@ class FSDPState:
             elif s.group is not None and s.reshard_after_backward:
                 s.group.reshard()
             s._enter("end_backward")
-        pending = [g for s in self._states for g in _buffers(s.group) if g.reduce_pending]
+        pending = [g for s in self._states for g in _buffers(s.group) if g.grads.reduce_pending]
         if pending:
             got_grad, arrived = _local_grad_flags(pending), []
             for g in pending:  # every group's collectives complete, then any error
@@ -652,7 +645,9 @@ def _local_grad_flags(pending: list[ParamGroup]) -> list[bool]:
     reduce-scatters would mismatch. An earlier design let ranks agree through one MAX
     all-reduce of a flag per parameter every backward; FSDP2's rule needs none.
     """
-    return [ref.got_grad or g.reduce_scatter_unused_params for g in pending for ref in g.refs]
+    return [
+        ref.got_grad or g.settings.reduce_scatter_unused_params for g in pending for ref in g.refs
+    ]
 
 
 def _buffers(group: GroupSet | None) -> list[ParamGroup]:

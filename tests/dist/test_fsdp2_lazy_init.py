@@ -27,7 +27,6 @@ from tests.harness import run_cases, spawn
 pytestmark = pytest.mark.numerics
 
 
-
 def _full(t):
     return t.full_tensor() if isinstance(t, DTensor) else t
 
@@ -168,14 +167,17 @@ class _TwoLinear(nn.Module):
         return self.out(torch.tanh(self.inp(x))) * self.scale
 
 
-def _tied(fully_shard, rank, *, after: bool):
+def _tied(fully_shard, rank, *, after: bool, setup=None):
     """``out.weight = inp.weight`` (re-tying, as embeddings are), after ``fully_shard`` or
-    before it; the one group holds both."""
+    before it; the one group holds both. ``setup(model)`` runs between ``fully_shard``
+    and the tie."""
     torch.manual_seed(0)
     model = _TwoLinear()
     if not after:
         model.out.weight = model.inp.weight
     fully_shard(model, mesh=init_device_mesh("cpu", (2,)))
+    if setup is not None:
+        setup(model)
     if after:
         model.out.weight = model.inp.weight
     return _train(model, rank)
@@ -187,6 +189,20 @@ def _retied(rank, world):
     another order.)"""
     want = _tied(torch_fsdp.fully_shard, rank, after=False)
     got = _tied(raggedfsdp.fully_shard, rank, after=True)
+    _check_same(got, want)
+
+
+def _retied_keeps_settings(rank, world):
+    """The settings set between fully_shard and a re-tie hold for the re-planned buffers:
+    the same numbers as FSDP2's model tied before it, with the same settings (a forced
+    sum, and an all-reduce hook that adds one to every reduced gradient)."""
+
+    def setup(model):
+        model.set_force_sum_reduction_for_comms(True)
+        model.set_all_reduce_hook(_add_one)
+
+    want = _tied(torch_fsdp.fully_shard, rank, after=False, setup=setup)
+    got = _tied(raggedfsdp.fully_shard, rank, after=True, setup=setup)
     _check_same(got, want)
 
 
@@ -383,6 +399,9 @@ def _grid(rank, world):
     cases = {**CASES, **_setups()}
     checks = {name: partial(_same, case, rank, world) for name, case in cases.items()}
     checks["parameters tied after fully_shard"] = partial(_retied, rank, world)
+    checks["tied after fully_shard, settings set before"] = partial(
+        _retied_keeps_settings, rank, world
+    )
     checks["refused at lazy init"] = partial(_refused, rank, world)
     run_cases(checks)
 
