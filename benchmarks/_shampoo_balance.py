@@ -23,7 +23,12 @@ blocks, owners from ``plan_owners`` over every Shampoo parameter of the model, a
 statistics it prints the state each rank keeps (``L``, ``R``, roots and the graft's
 second moment; the most loaded rank over the mean) and the elements a rank sends per
 step in both all-to-alls, over the Shampoo gradient elements per rank (the mean rank's
-and the busiest rank's; it receives as many).
+and the busiest rank's; it receives as many). Beside each balance, ``bound``: the least
+balance any assignment of the row's blocks to the ranks reaches, whatever the owner rule
+(``load_bound``, [Note: Shampoo balance bound]). Beside each padding, the same grouping's
+under AdamW (the planner's default layout, which the owner mode uses by construction),
+the planner's proven lower bound for the buffers it chose there, and torch FSDP2's
+(every parameter ``Shard(0)``, dim 0 padded to ``ranks * ceil(dim0 / ranks)`` rows).
 """
 
 from __future__ import annotations
@@ -152,7 +157,7 @@ def _rows_by_rank(t, layout, members: int, rows: int, cols: int) -> tuple:
 def owner_costs(model: str, world: int, size: int) -> dict:
     """The owner mode with square ``size`` blocks on ``fully_shard``'s default layout."""
     base = BlockPolicy()
-    pad = total = 0
+    pad = floor = total = 0
     params: list[ParamRows] = []
     cache: dict = {}
     for g in param_groups(get_config(model)):
@@ -178,10 +183,10 @@ def owner_costs(model: str, world: int, size: int) -> dict:
                 layout = layout_of[p.fqn]
                 segments = _rows_by_rank(layout[p.fqn], layout, members, rows, cols)
                 rows_of.append(ParamRows(members, rows, cols, segments))
-            cache[key] = (rows_of, plan.padding, plan.total_numel)
-        rows_of, p_pad, p_total = cache[key]
+            cache[key] = (rows_of, plan.padding, plan.lower_bound_padding, plan.total_numel)
+        rows_of, p_pad, p_floor, p_total = cache[key]
         params += rows_of
-        pad, total = pad + p_pad, total + p_total
+        pad, floor, total = pad + p_pad, floor + p_floor, total + p_total
     plan = plan_owners(params, world, size, size)
     numel = sum(p.members * p.rows * p.cols for p in params)
     costs = Counter(root_cost(b.block) for blocks in plan.params for b in blocks)
@@ -195,6 +200,7 @@ def owner_costs(model: str, world: int, size: int) -> dict:
         state=list(plan.state),
         sent=plan.traffic(),
         pad=pad / total,
+        floor=floor / total,  # the planner's proven bound for the buffers it chose
         stats=stats,
         numel=numel,
         mode=plan.mode,
@@ -250,19 +256,23 @@ def main_owner(args) -> None:
         "rank sends per step (both all-to-alls) over that; state = L, R, roots and graft "
         f"moment; blocks {size} x {size} unless named; bound = load_bound of the row's "
         "blocks over the mean (no owner rule does better); padding = this row's layout's, "
-        "AdamW = the planner's default layout's (the owner mode's by construction), "
+        "AdamW = the planner's default layout's (the owner mode's by construction), AdamW's "
+        "bound = the planner's proven lower bound for the buffers it chose, "
         "FSDP2 = Shard(0) with dim 0 padded to ranks x ceil(dim0 / ranks)\n"
     )
     print(
-        "| model | ranks | mode | padding | padding, AdamW | padding, FSDP2 "
+        "| model | ranks | mode | padding | padding, AdamW | AdamW's bound | padding, FSDP2 "
         "| root cost, most loaded / mean | bound | stats / elem "
         "| state, most loaded / mean | comm / grad, mean | comm / grad, max |"
     )
-    print("| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| --- | ---: | --- |" + " ---: |" * 10)
     for model in args.models:
         for world in args.worlds:
             owner = owner_costs(model, world, size)
-            pads = f"{100 * owner['pad']:.2f}% | {100 * fsdp2_padding(model, world):.2f}%"
+            pads = (
+                f"{100 * owner['pad']:.2f}% | {100 * owner['floor']:.2f}% "
+                f"| {100 * fsdp2_padding(model, world):.2f}%"
+            )
             for row_block, label in (
                 (128, f"communication-free, 128 x {size}"),
                 (size, "communication-free"),
