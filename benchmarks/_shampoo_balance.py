@@ -29,6 +29,7 @@ balance any assignment of the row's blocks to the ranks reaches, whatever the ow
 under AdamW (the planner's default layout, which the owner mode uses by construction),
 the planner's proven lower bound for the buffers it chose there, and torch FSDP2's
 (every parameter ``Shard(0)``, dim 0 padded to ``ranks * ceil(dim0 / ranks)`` rows).
+*beyond holders*: the share of blocks owned by a rank that holds none of their rows.
 """
 
 from __future__ import annotations
@@ -205,6 +206,10 @@ def owner_costs(model: str, world: int, size: int) -> dict:
         numel=numel,
         mode=plan.mode,
         bound=_bound(costs, world),
+        beyond=sum(  # blocks owned by a rank holding none of their rows
+            b.owner not in {r for r, _, _ in b.pieces} for blocks in plan.params for b in blocks
+        )
+        / sum(costs.values()),
         plan=plan,  # for inspection
     )
 
@@ -258,14 +263,15 @@ def main_owner(args) -> None:
         "blocks over the mean (no owner rule does better); padding = this row's layout's, "
         "AdamW = the planner's default layout's (the owner mode's by construction), AdamW's "
         "bound = the planner's proven lower bound for the buffers it chose, "
-        "FSDP2 = Shard(0) with dim 0 padded to ranks x ceil(dim0 / ranks)\n"
+        "FSDP2 = Shard(0) with dim 0 padded to ranks x ceil(dim0 / ranks); beyond holders = "
+        "blocks owned by a rank holding none of their rows\n"
     )
     print(
         "| model | ranks | mode | padding | padding, AdamW | AdamW's bound | padding, FSDP2 "
         "| root cost, most loaded / mean | bound | stats / elem "
-        "| state, most loaded / mean | comm / grad, mean | comm / grad, max |"
+        "| state, most loaded / mean | comm / grad, mean | comm / grad, max | beyond holders |"
     )
-    print("| --- | ---: | --- |" + " ---: |" * 10)
+    print("| --- | ---: | --- |" + " ---: |" * 11)
     for model in args.models:
         for world in args.worlds:
             owner = owner_costs(model, world, size)
@@ -285,7 +291,7 @@ def main_owner(args) -> None:
                     f"| {model} | {world} | {label} | {100 * r['pad']:.2f}% | {pads} "
                     f"| {max(load) / mean:.2f} | {r['bound'] / mean:.2f} "
                     f"| {r['stats'] / r['numel']:.2f} "
-                    f"| {max(state) / (sum(state) / world):.2f} | 0 | 0 |",
+                    f"| {max(state) / (sum(state) / world):.2f} | 0 | 0 | - |",
                     flush=True,
                 )
             load, state, sent = owner["load"], owner["state"], owner["sent"]
@@ -295,7 +301,8 @@ def main_owner(args) -> None:
                 f"| {max(load) / mean:.2f} | {owner['bound'] / mean:.2f} "
                 f"| {owner['stats'] / owner['numel']:.2f} "
                 f"| {max(state) / (sum(state) / world):.2f} "
-                f"| {sum(sent) / world / share:.2f} | {max(sent) / share:.2f} |",
+                f"| {sum(sent) / world / share:.2f} | {max(sent) / share:.2f} "
+                f"| {100 * owner['beyond']:.1f}% |",
                 flush=True,
             )
 

@@ -49,10 +49,10 @@ order, keeps every parameter's owners in order. The cut keeps each run's start w
 the cap allows and moves it as little as it must (runs over the cap pass their last
 blocks up to the next rank, or, sweeping down, their first blocks to the one before; the
 sweep that moves fewer blocks wins), within the cap or, where no cut fits it, the least
-limit one fits (never above the holders' plan). A block owned beyond its holders
-sends all of its rows; at the world sizes where spills happen an owner holds a small
-part of its blocks anyway. No plan does better than ``load_bound`` (see [Note: Shampoo
-balance bound]), whatever its rule.
+limit one fits (never above the holders' plan). A block owned beyond its holders has
+all of its rows sent; where the catalogue's models spill (16,384 ranks) an owner holds a
+tiny part of each block anyway. No plan does better than ``load_bound`` (see [Note:
+Shampoo balance bound]), whatever its rule.
 
 A rank thus sends about its own rows and receives about its own blocks: per step each
 gradient block travels to its owner once and each direction back once, less what the
@@ -411,10 +411,12 @@ def _least_starts(prefix: list[int], cap: int, world: int) -> list[int]:
 def _cut(prefix: list[int], start: list[int], cap: int) -> list[int]:
     """New starts of the ranks' runs of a sequence of blocks (``prefix``: the prefix sums of
     its costs; ``start[x]``: where rank ``x``'s run starts now, ``start[-1]`` the end), no
-    run over ``cap`` (which some cut must fit): rank by rank from rank 0, each start kept
-    where the cap allows, else moved as little as it must (a run over the cap passes its
-    last blocks on up; a rank that cannot take what the ranks after it cannot hold takes
-    the first blocks of the next run)."""
+    run over ``cap`` (which some cut must fit). Rank by rank from rank 0, each start stays
+    where it is unless that breaks the cap: it moves down to the end of the longest run
+    within the cap (a run over the cap passes its last blocks on up), or up to
+    ``least`` (the ranks after could not hold the rest: this one takes the first blocks
+    of the next run). Each start thus lies in ``[least[x], end of the longest run]``,
+    never empty since the previous one does (by induction from ``least[0] == 0``)."""
     world = len(start) - 1
     least = _least_starts(prefix, cap, world)
     assert least[0] == 0, "no cut of the sequence fits the cap"

@@ -28,7 +28,7 @@ def test_owners_hold_rows_never_decrease_and_balance():
         owners = [b.owner for b in blocks]
         assert owners == sorted(owners)  # so each rank's state is one run of the global state
         for b in blocks:
-            assert b.owner in {r for r, _, _ in b.pieces}  # among its holders
+            assert b.owner in {r for r, _, _ in b.pieces}  # among its holders: they suffice
             e, r0, r1 = b.block[:3]
             assert sum(hi - lo for _, lo, hi in b.pieces) == r1 - r0
             assert b.pieces[0][1] == e * p.rows + r0 and b.pieces[-1][2] == e * p.rows + r1
