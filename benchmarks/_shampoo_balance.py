@@ -23,14 +23,23 @@ blocks, owners from ``plan_owners`` over every Shampoo parameter of the model, a
 statistics it prints the state each rank keeps (``L``, ``R``, roots and the graft's
 second moment; the most loaded rank over the mean) and the elements a rank sends per
 step in both all-to-alls, over the Shampoo gradient elements per rank (the mean rank's
-and the busiest rank's; it receives as many).
+and the busiest rank's; it receives as many). Beside each balance, ``bound``: the least
+balance any assignment of the row's blocks to the ranks reaches, whatever the owner rule
+(``load_bound``, [Note: Shampoo balance bound]). Beside each padding, the same grouping's
+under AdamW (the planner's default layout, which the owner mode uses by construction),
+the planner's proven lower bound for the buffers it chose there, and torch FSDP2's
+(every parameter ``Shard(0)``, dim 0 padded to ``ranks * ceil(dim0 / ranks)`` rows).
+*beyond holders*: the share of blocks owned by a rank that holds none of their rows.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
+from collections import Counter
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -41,6 +50,7 @@ from raggedfsdp.optim.muon import default_use_muon
 from raggedfsdp.optim.shampoo import (
     ParamRows,
     blocks_of,
+    load_bound,
     plan_owners,
     root_cost,
     shampoo_block_policy,
@@ -58,6 +68,7 @@ def rank_costs(model: str, world: int, size: int, row_block: int) -> dict:
     policy = shampoo_block_policy(size, row_block=row_block)
     load = [0.0] * world
     pad = total = cost = stats = numel = 0
+    costs: Counter = Counter()  # root cost -> blocks
     cache: dict = {}
     for g in param_groups(get_config(model)):
         key = tuple((p.shape, p.stack) for p in g.params)
@@ -73,6 +84,7 @@ def rank_costs(model: str, world: int, size: int, row_block: int) -> dict:
             plan = plan_buffers(specs, world, dtype="bfloat16", max_buffers=DEFAULT_MAX_BUFFERS)
             layout_of = {q.name: lay for lay in plan.layouts for q in lay.tensors}
             group = [0.0] * world
+            g_costs: Counter = Counter()
             g_cost = g_stats = g_numel = 0
             for p in g.params:
                 if not _is_shampoo(p):
@@ -87,14 +99,39 @@ def rank_costs(model: str, world: int, size: int, row_block: int) -> dict:
                     stride = t.member_stride if t.members == members else rows * cols
                     first = t.offset + e * stride + r0 * cols  # the block's first element
                     group[first // layout.shard_size] += root_cost(b)
+                    g_costs[root_cost(b)] += 1
                     g_cost += root_cost(b)
                     g_stats += 2 * ((r1 - r0) ** 2 + (c1 - c0) ** 2)
-            cache[key] = (group, plan.padding, plan.total_numel, g_cost, g_stats, g_numel)
-        group, p_pad, p_total, g_cost, g_stats, g_numel = cache[key]
+            cache[key] = (group, plan.padding, plan.total_numel, g_cost, g_stats, g_numel, g_costs)
+        group, p_pad, p_total, g_cost, g_stats, g_numel, g_costs = cache[key]
+        costs.update(g_costs)
         load = [a + b for a, b in zip(load, group)]
         pad, total = pad + p_pad, total + p_total
         cost, stats, numel = cost + g_cost, stats + g_stats, numel + g_numel
-    return dict(load=load, pad=pad / total, cost=cost, stats=stats, numel=numel)
+    return dict(
+        load=load, pad=pad / total, cost=cost, stats=stats, numel=numel, bound=_bound(costs, world)
+    )
+
+
+def _bound(costs: Counter, world: int) -> int:
+    """``load_bound`` of a multiset of block costs (see [Note: Shampoo balance bound])."""
+    values = sorted(costs)
+    return load_bound(
+        np.repeat(np.array(values, dtype=np.int64), [costs[v] for v in values]), world
+    )
+
+
+def fsdp2_padding(model: str, world: int) -> float:
+    """Padding torch's FSDP2 adds, over the model's elements: each parameter is cut
+    ``Shard(0)``, its dim 0 padded to ``world * ceil(dim0 / world)`` (the all-gather
+    buffer's own alignment left out)."""
+    pad = total = 0
+    for g in param_groups(get_config(model)):
+        for p in g.params:
+            rest = math.prod(p.shape[1:])
+            pad += (world * -(-p.shape[0] // world) - p.shape[0]) * rest
+            total += p.shape[0] * rest
+    return pad / total
 
 
 def _rows_by_rank(t, layout, members: int, rows: int, cols: int) -> tuple:
@@ -121,7 +158,7 @@ def _rows_by_rank(t, layout, members: int, rows: int, cols: int) -> tuple:
 def owner_costs(model: str, world: int, size: int) -> dict:
     """The owner mode with square ``size`` blocks on ``fully_shard``'s default layout."""
     base = BlockPolicy()
-    pad = total = 0
+    pad = floor = total = 0
     params: list[ParamRows] = []
     cache: dict = {}
     for g in param_groups(get_config(model)):
@@ -147,12 +184,13 @@ def owner_costs(model: str, world: int, size: int) -> dict:
                 layout = layout_of[p.fqn]
                 segments = _rows_by_rank(layout[p.fqn], layout, members, rows, cols)
                 rows_of.append(ParamRows(members, rows, cols, segments))
-            cache[key] = (rows_of, plan.padding, plan.total_numel)
-        rows_of, p_pad, p_total = cache[key]
+            cache[key] = (rows_of, plan.padding, plan.lower_bound_padding, plan.total_numel)
+        rows_of, p_pad, p_floor, p_total = cache[key]
         params += rows_of
-        pad, total = pad + p_pad, total + p_total
+        pad, floor, total = pad + p_pad, floor + p_floor, total + p_total
     plan = plan_owners(params, world, size, size)
     numel = sum(p.members * p.rows * p.cols for p in params)
+    costs = Counter(root_cost(b.block) for blocks in plan.params for b in blocks)
     stats = sum(
         2 * ((b.block[2] - b.block[1]) ** 2 + (b.block[4] - b.block[3]) ** 2)
         for blocks in plan.params
@@ -163,9 +201,15 @@ def owner_costs(model: str, world: int, size: int) -> dict:
         state=list(plan.state),
         sent=plan.traffic(),
         pad=pad / total,
+        floor=floor / total,  # the planner's proven bound for the buffers it chose
         stats=stats,
         numel=numel,
         mode=plan.mode,
+        bound=_bound(costs, world),
+        beyond=sum(  # blocks owned by a rank holding none of their rows
+            b.owner not in {r for r, _, _ in b.pieces} for blocks in plan.params for b in blocks
+        )
+        / sum(costs.values()),
         plan=plan,  # for inspection
     )
 
@@ -175,7 +219,13 @@ def free_state(model: str, world: int, size: int, row_block: int) -> list[int]:
     mode: each block's on the rank holding it."""
     policy = shampoo_block_policy(size, row_block=row_block)
     state = [0] * world
+    cache: dict = {}
     for g in param_groups(get_config(model)):
+        key = tuple((p.shape, p.stack) for p in g.params)
+        if key in cache:
+            state = [a + b for a, b in zip(state, cache[key])]
+            continue
+        group = [0] * world
         specs = [
             TensorSpec(
                 name=p.fqn,
@@ -198,7 +248,9 @@ def free_state(model: str, world: int, size: int, row_block: int) -> list[int]:
             for e, r0, r1, c0, c1 in blocks_of(members, rows, cols, size, row_block):
                 first = t.offset + e * stride + r0 * cols
                 m, n = r1 - r0, c1 - c0
-                state[first // layout.shard_size] += 2 * m * m + 2 * n * n + m * n
+                group[first // layout.shard_size] += 2 * m * m + 2 * n * n + m * n
+        cache[key] = group
+        state = [a + b for a, b in zip(state, group)]
     return state
 
 
@@ -207,15 +259,26 @@ def main_owner(args) -> None:
     print(
         f"\nShampoo elements per rank = the model's Shampoo elements / ranks; comm = elements a "
         "rank sends per step (both all-to-alls) over that; state = L, R, roots and graft "
-        f"moment; blocks {size} x {size} unless named\n"
+        f"moment; blocks {size} x {size} unless named; bound = load_bound of the row's "
+        "blocks over the mean (no owner rule does better); padding = this row's layout's, "
+        "AdamW = the planner's default layout's (the owner mode's by construction), AdamW's "
+        "bound = the planner's proven lower bound for the buffers it chose, "
+        "FSDP2 = Shard(0) with dim 0 padded to ranks x ceil(dim0 / ranks); beyond holders = "
+        "blocks owned by a rank holding none of their rows\n"
     )
     print(
-        "| model | ranks | mode | padding | root cost, most loaded / mean | stats / elem "
-        "| state, most loaded / mean | comm / grad, mean | comm / grad, max |"
+        "| model | ranks | mode | padding | padding, AdamW | AdamW's bound | padding, FSDP2 "
+        "| root cost, most loaded / mean | bound | stats / elem "
+        "| state, most loaded / mean | comm / grad, mean | comm / grad, max | beyond holders |"
     )
-    print("| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| --- | ---: | --- |" + " ---: |" * 11)
     for model in args.models:
         for world in args.worlds:
+            owner = owner_costs(model, world, size)
+            pads = (
+                f"{100 * owner['pad']:.2f}% | {100 * owner['floor']:.2f}% "
+                f"| {100 * fsdp2_padding(model, world):.2f}%"
+            )
             for row_block, label in (
                 (128, f"communication-free, 128 x {size}"),
                 (size, "communication-free"),
@@ -223,20 +286,23 @@ def main_owner(args) -> None:
                 r = rank_costs(model, world, size, row_block)
                 state = free_state(model, world, size, row_block)
                 load = r["load"]
+                mean = sum(load) / world
                 print(
-                    f"| {model} | {world} | {label} | {100 * r['pad']:.2f}% "
-                    f"| {max(load) / (sum(load) / world):.2f} | {r['stats'] / r['numel']:.2f} "
-                    f"| {max(state) / (sum(state) / world):.2f} | 0 | 0 |",
+                    f"| {model} | {world} | {label} | {100 * r['pad']:.2f}% | {pads} "
+                    f"| {max(load) / mean:.2f} | {r['bound'] / mean:.2f} "
+                    f"| {r['stats'] / r['numel']:.2f} "
+                    f"| {max(state) / (sum(state) / world):.2f} | 0 | 0 | - |",
                     flush=True,
                 )
-            r = owner_costs(model, world, size)
-            load, state, sent = r["load"], r["state"], r["sent"]
-            share = r["numel"] / world
+            load, state, sent = owner["load"], owner["state"], owner["sent"]
+            mean, share = sum(load) / world, owner["numel"] / world
             print(
-                f"| {model} | {world} | {r['mode']} | {100 * r['pad']:.2f}% "
-                f"| {max(load) / (sum(load) / world):.2f} | {r['stats'] / r['numel']:.2f} "
+                f"| {model} | {world} | {owner['mode']} | {100 * owner['pad']:.2f}% | {pads} "
+                f"| {max(load) / mean:.2f} | {owner['bound'] / mean:.2f} "
+                f"| {owner['stats'] / owner['numel']:.2f} "
                 f"| {max(state) / (sum(state) / world):.2f} "
-                f"| {sum(sent) / world / share:.2f} | {max(sent) / share:.2f} |",
+                f"| {sum(sent) / world / share:.2f} | {max(sent) / share:.2f} "
+                f"| {100 * owner['beyond']:.1f}% |",
                 flush=True,
             )
 

@@ -17,7 +17,8 @@ planner's fine default blocks included) each block gets an owner chosen here, th
    weight decay and the update to their rows, element-wise.
 
 The owners are chosen once per shard group, over every Shampoo parameter of the
-optimizer, identically on every rank, and always among a block's holders:
+optimizer, identically on every rank, among a block's holders where they can carry the
+load:
 
 - a parameter's state (its owned blocks' matrices concatenated in the global block
   order) is one 1-D ``RaggedShard`` DTensor only if every rank holds one contiguous run
@@ -36,10 +37,27 @@ holds ``h`` elements changes what a rank sends by ``m n - 2 h``); when every hol
 pass the cap, to the least loaded. Then ranks still over the cap hand blocks on along
 chains of holders (``r`` gives a block to a co-holder ``q``, which gives one of the same
 cost to its own co-holder, ..., until a rank with room; the shortest chain first). Ties
-go to the lowest rank. A rank thus sends about its own rows and receives about its own
-blocks: per step each gradient block travels to its owner once and each direction back
-once, less what the owner already holds. ``benchmarks/_shampoo_balance.py --owner``
-measures balance, state and bytes at the catalogue's shapes (results: ``optim.md``).
+go to the lowest rank.
+
+Holders alone cannot always carry the load: where the layout leaves ranks without rows
+(a padded layout's last ranks at large world sizes, whatever the optimizer) or with few,
+the others must take more than the cap. Then, last, owners go beyond the holders
+(*spill*), still never decreasing within a parameter: all blocks, in the order (owner,
+parameter, block), form one sequence in which each rank's blocks are one run and each
+parameter's blocks keep their order, so any cut of it into one run per rank, in rank
+order, keeps every parameter's owners in order. The cut keeps each run's start where
+the cap allows and moves it as little as it must (runs over the cap pass their last
+blocks up to the next rank, or, sweeping down, their first blocks to the one before; the
+sweep that moves fewer blocks wins), within the cap or, where no cut fits it, the least
+limit one fits (never above the holders' plan). A block owned beyond its holders has
+all of its rows sent; where the catalogue's models spill (16,384 ranks) an owner holds a
+tiny part of each block anyway. No plan does better than ``load_bound`` (see [Note:
+Shampoo balance bound]), whatever its rule.
+
+A rank thus sends about its own rows and receives about its own blocks: per step each
+gradient block travels to its owner once and each direction back once, less what the
+owner already holds. ``benchmarks/_shampoo_balance.py --owner`` measures balance
+against the bound, state and bytes at the catalogue's shapes (results: ``optim.md``).
 """
 
 from __future__ import annotations
@@ -47,6 +65,8 @@ from __future__ import annotations
 import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 from raggedfsdp.optim.muon_plan import Exchange
 
@@ -57,6 +77,7 @@ __all__ = [
     "OwnerPlan",
     "ParamRows",
     "block_state_numel",
+    "load_bound",
     "plan_owners",
 ]
 
@@ -84,6 +105,47 @@ def block_state_numel(block: Block) -> int:
     _, r0, r1, c0, c1 = block
     m, n = r1 - r0, c1 - c0
     return 2 * m * m + 2 * n * n + m * n
+
+
+def load_bound(costs: Sequence[int], world_size: int) -> int:
+    """The least root cost the most loaded rank can have, whatever the owner rule: a lower
+    bound over every assignment of blocks of these ``costs`` to ``world_size`` ranks.
+
+    [Note: Shampoo balance bound]
+    With the costs sorted descending, ``c_1 >= c_2 >= ...`` (``B`` of them, ``W`` ranks):
+    for every ``k >= 0`` with ``k W + 1 <= B``, the ``k W + 1`` largest blocks on ``W``
+    ranks put ``k + 1`` of them on one rank (pigeonhole), and those ``k + 1`` cost at
+    least the ``k + 1`` smallest of them: the most loaded rank carries at least
+    ``c_{kW-k+1} + ... + c_{kW+1}``. ``k = 0`` is the largest block alone. It also carries
+    at least the mean, ``ceil(sum / W)`` (loads are integers). The bound is the largest
+    of these; it ignores where blocks lie (holders, padding), so no owner plan is below
+    it, and for equal costs it is reached: ``ceil(B / W)`` blocks. It can be above every
+    plan's reach: ``[7, 5, 4, 4]`` on 2 ranks gives 10, the best split 11.
+
+    Args:
+        costs: each block's root cost (``m^3 + n^3``), in any order; non-negative.
+        world_size: ranks.
+
+    Raises:
+        ValueError: ``world_size < 1``, a negative cost, or costs so large that the
+            largest times their count does not fit in 63 bits.
+    """
+    if world_size < 1:
+        raise ValueError(f"load_bound: world_size must be >= 1, got {world_size}")
+    c = np.sort(np.asarray(costs, dtype=np.int64))[::-1]  # 1D, descending
+    if c.size == 0:
+        return 0
+    if c[-1] < 0 or int(c[0]) * c.size >= 2**63:  # the sum below 2**63: exact
+        raise ValueError(
+            f"load_bound: costs must be non-negative, the largest times their count below "
+            f"2**63; got the largest {int(c[0])}, the smallest {int(c[-1])}, {c.size} blocks"
+        )
+    prefix = np.concatenate([np.zeros(1, dtype=np.int64), np.cumsum(c)])  # prefix[i] = c_1..c_i
+    k = np.arange((c.size - 1) // world_size + 1, dtype=np.int64)
+    top = k * world_size + 1  # the k W + 1 largest ...
+    pigeon = prefix[top] - prefix[top - k - 1]  # ... of which the k + 1 smallest
+    total = int(prefix[-1])
+    return max(int(pigeon.max()), -(-total // world_size))
 
 
 @dataclass(frozen=True)
@@ -335,6 +397,91 @@ def _repair(places, rows, owners, cap, load, sent, state) -> None:
         owners[k][i : i + n] = sorted(owners[k][i : i + n])
 
 
+def _least_starts(prefix: list[int], cap: int, world: int) -> list[int]:
+    """``least[x]``: the earliest position of a sequence of blocks (``prefix``: the prefix
+    sums of its costs) from which ranks ``x..world-1``, one run each of cost at most
+    ``cap``, can still cover the rest (the runs packed from the end). The sequence fits
+    ``world`` such runs if and only if ``least[0] == 0``."""
+    least = [len(prefix) - 1] * (world + 1)
+    for x in range(world - 1, -1, -1):
+        least[x] = bisect.bisect_left(prefix, prefix[least[x + 1]] - cap)
+    return least
+
+
+def _cut(prefix: list[int], start: list[int], cap: int) -> list[int]:
+    """New starts of the ranks' runs of a sequence of blocks (``prefix``: the prefix sums of
+    its costs; ``start[x]``: where rank ``x``'s run starts now, ``start[-1]`` the end), no
+    run over ``cap`` (which some cut must fit). Rank by rank from rank 0, each start stays
+    where it is unless that breaks the cap: it moves down to the end of the longest run
+    within the cap (a run over the cap passes its last blocks on up), or up to
+    ``least`` (the ranks after could not hold the rest: this one takes the first blocks
+    of the next run). Each start thus lies in ``[least[x], end of the longest run]``,
+    never empty since the previous one does (by induction from ``least[0] == 0``)."""
+    world = len(start) - 1
+    least = _least_starts(prefix, cap, world)
+    assert least[0] == 0, "no cut of the sequence fits the cap"
+    out = [0] * (world + 1)
+    out[world] = start[world]
+    for x in range(world - 1):
+        most = bisect.bisect_right(prefix, prefix[out[x]] + cap) - 1  # rank x's run at most
+        out[x + 1] = min(max(start[x + 1], least[x + 1], out[x]), most)
+    return out
+
+
+def _spill(places, owners: list[list[int]], cap: int, world_size: int) -> None:
+    """Bring ranks still over ``cap`` after ``_repair`` within it, or as close as any cut
+    allows, with owners beyond the holders; see [Note: Shampoo block owners].
+
+    All blocks in the order (owner, parameter, block) are one sequence in which each rank's
+    blocks are one run and each parameter's blocks keep their order: any cut of it into
+    ``world_size`` runs, given to the ranks in order, keeps every parameter's owners
+    non-decreasing. ``_cut`` moves the runs' starts as little as it must, sweeping up the
+    ranks or down them (the sequence reversed); the sweep moving fewer blocks wins (up on
+    a tie). Deterministic: every rank cuts alike."""
+    seq = sorted(
+        (owners[k][j], k, j) for k, blocks in enumerate(places) for j in range(len(blocks))
+    )
+    costs = [root_cost_of(places[k][j][0]) for _, k, j in seq]
+    load = [0] * world_size
+    for (r, _, _), c in zip(seq, costs):
+        load[r] += c
+    if max(load, default=0) <= cap:
+        return
+    n = len(seq)
+    start = [0] * (world_size + 1)  # start[x]: where rank x's run starts in seq
+    for r, _, _ in seq:
+        start[r + 1] += 1
+    for x in range(world_size):
+        start[x + 1] += start[x]
+    up, down = [0], [0]  # prefix sums of the costs along seq and reversed
+    for c in costs:
+        up.append(up[-1] + c)
+    for c in reversed(costs):
+        down.append(down[-1] + c)
+    limit = cap
+    if _least_starts(up, cap, world_size)[0] > 0:  # no cut fits the cap: the least that fits
+        lo, hi = cap + 1, max(load)  # the current owners are one cut within max(load)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if _least_starts(up, mid, world_size)[0] == 0 else (mid + 1, hi)
+        limit = lo
+    if limit >= max(load):
+        return
+    rising = _cut(up, start, limit)
+    falling = [n - a for a in _cut(down, [n - a for a in start[::-1]], limit)[::-1]]
+
+    def moved(cut: list[int]) -> int:
+        kept = sum(
+            max(0, min(cut[x + 1], start[x + 1]) - max(cut[x], start[x])) for x in range(world_size)
+        )
+        return n - kept
+
+    best = falling if moved(falling) < moved(rising) else rising
+    for x in range(world_size):
+        for _, k, j in seq[best[x] : best[x + 1]]:
+            owners[k][j] = x
+
+
 def plan_owners(
     params: Sequence[ParamRows], world_size: int, block_size: int, row_block: int
 ) -> OwnerPlan:
@@ -403,6 +550,7 @@ def plan_owners(
             owners[k][i + j] = owner
     if not whole:
         _repair(places, rows, owners, cap, load, sent, state)
+        _spill(places, owners, cap, world_size)
     out = tuple(
         tuple(BlockPlace(block, owner, pieces) for (block, pieces), owner in zip(blocks, own))
         for blocks, own in zip(places, owners)

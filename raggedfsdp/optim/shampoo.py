@@ -82,6 +82,7 @@ from raggedfsdp.optim._shampoo_owners import (
     BlockPlace,
     OwnerPlan,
     ParamRows,
+    load_bound,
     plan_owners,
 )
 from raggedfsdp.optim.adamw import FlatAdamW
@@ -99,6 +100,7 @@ __all__ = [
     "ShampooStepStats",
     "blocks_of",
     "inverse_root",
+    "load_bound",
     "plan_owners",
     "root_cost",
     "shampoo_auto_policy",

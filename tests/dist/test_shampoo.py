@@ -53,15 +53,20 @@ def _model(name):
     return Transformer(get_config(name), max_seq_len=SEQ, seed=0)
 
 
+def _use_shampoo(only: str | None):
+    """Shampoo's parameters: the hidden matrices, or those whose name ends in ``only``."""
+    return lambda n, p: default_use_muon(n, p) and (only is None or n.endswith(only))
+
+
 @functools.cache
 def _reference(
-    model_name: str, grafting: str, block: int = BLOCK, row: int = ROW
+    model_name: str, grafting: str, block: int = BLOCK, row: int = ROW, only: str | None = None
 ) -> list[dict[str, torch.Tensor]]:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the ranks (the same bits either way for these sizes)
     try:
         named = dict(_model(model_name).named_parameters())
-        shampoo = {n: p.detach() for n, p in named.items() if default_use_muon(n, p)}
+        shampoo = {n: p.detach() for n, p in named.items() if _use_shampoo(only)(n, p)}
         others = [p for n, p in named.items() if n not in shampoo]
         adamw = torch.optim.AdamW(others, foreach=False, **ADAMW)
         state = reference_init(shampoo, block, row)
@@ -90,12 +95,13 @@ def _build(model_name, mesh, whole=False, policy=True, block=BLOCK, row=ROW):
     return model
 
 
-def _optimizer(model, grafting="block", row=ROW, block=BLOCK):
+def _optimizer(model, grafting="block", row=ROW, block=BLOCK, only=None):
     return Shampoo(
         model.parameters(),
         block_size=block,
         row_block=row,
         grafting=grafting,
+        use_shampoo=_use_shampoo(only),
         **HYPER,
         **ADAMW_ARGS,
     )
@@ -164,12 +170,21 @@ def _sent_bytes(opt, rank, block):
     return sent
 
 
-def _check_owner(mesh, rank, model_name, block, ref):
+def _check_owner(mesh, rank, model_name, block, ref, only=None):
     """Owner mode (``fully_shard``'s default 1-row blocks, square blocks cut across ranks):
-    every step equals the reference, with exactly the plan's two all-to-alls."""
+    every step equals the reference, with exactly the plan's two all-to-alls. With Shampoo
+    on the ``only`` matrices alone, some ranks hold none of their rows: owners beyond the
+    holders."""
     model = _build(model_name, mesh, policy=False)
-    opt = _optimizer(model, row=block, block=block)
+    opt = _optimizer(model, row=block, block=block, only=only)
     assert set(opt.modes().values()) == {"owner"}
+    beyond = sum(
+        place.owner not in {r for r, _, _ in place.pieces}
+        for key in opt.modes()
+        for blocks in opt.plan_of(key).params
+        for place in blocks
+    )
+    assert (beyond > 0) == (only is not None), f"{beyond} blocks owned beyond their holders"
     sent = _sent_bytes(opt, rank, block)
     want = CommStats(2, sent, sent)  # a rank receives what it sends (see the docstring)
     for step in range(STEPS):
@@ -264,6 +279,11 @@ def _grid(rank, world, refs):
             cases[f"owner {model_name} {block}"] = partial(
                 _check_owner, mesh, rank, model_name, block, ref
             )
+    if world == 3:  # Shampoo on w1 alone: ranks without its rows own blocks
+        ref = refs["llama-tiny", "block", 32, "w1.weight"]
+        cases["owner llama-tiny 32, w1 only"] = partial(
+            _check_owner, mesh, rank, "llama-tiny", 32, ref, "w1.weight"
+        )
     run_cases(cases)
 
 
@@ -273,6 +293,9 @@ def _refs():
     for m in ("llama-tiny", "moe-tiny"):
         for block in (16, 32):
             refs[m, "block", block] = _reference(m, "block", block, block)
+    refs["llama-tiny", "block", 32, "w1.weight"] = _reference(
+        "llama-tiny", "block", 32, 32, "w1.weight"
+    )
     return refs
 
 
