@@ -30,7 +30,7 @@ from raggedfsdp.fsdp._planning import GroupOptions, _plan_groups
 from raggedfsdp.fsdp._policy import BlockPolicy, BlockRows, MixedPrecisionPolicy
 from raggedfsdp.fsdp._records import CommSettings, ShardedState
 from raggedfsdp.fsdp._state import FSDPState, state_of
-from raggedfsdp.fsdp._torch_state import register_torch_state
+from raggedfsdp.fsdp._torch_state import register_torch_state, torch_state_of
 from raggedfsdp.planner import DEFAULT_MAX_BUFFERS
 
 __all__ = ["FSDP2_SURFACE", "FSDPModule", "UnshardHandle", "fully_shard"]
@@ -176,6 +176,11 @@ def fully_shard(
     for m in modules:
         _become_fsdp_module(m, state, group, one=len(modules) == 1)
     return module
+
+
+# FSDP2's ``fully_shard.state(module)`` (torch's composable contract gives it one): the
+# same lookup, see [Note: FSDP2's state, as torch reads it] in ``_torch_state.py``.
+fully_shard.state = torch_state_of  # type: ignore[attr-defined]
 
 
 def _become_fsdp_module(m: nn.Module, state: FSDPState, group, one: bool) -> None:

@@ -11,6 +11,9 @@ raggedfsdp module registers a ``TorchStateView`` under the key torch reads, whic
 answers exactly those calls with raggedfsdp's own: ``FSDPState.reduce_held_grads`` and
 ``FSDPState._final_callback``. Anything else read through it raises AttributeError,
 naming the attribute, as a missing attribute of FSDP2's state would.
+``raggedfsdp.fully_shard.state(module)`` is the same lookup (``torch_state_of``), so code
+written against FSDP2's ``fully_shard.state`` reads the same view after the import
+switch.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from torch import nn
 if TYPE_CHECKING:
     from raggedfsdp.fsdp._state import FSDPState
 
-__all__ = ["TorchStateView", "register_torch_state"]
+__all__ = ["TorchStateView", "register_torch_state", "torch_state_of"]
 
 
 class TorchStateView:
@@ -77,3 +80,14 @@ def register_torch_state(module: nn.Module, state: FSDPState) -> None:
     if key is not None:
         state_key, func = key
         module.__dict__.setdefault(state_key, {})[func] = TorchStateView(state)
+
+
+def torch_state_of(module: nn.Module):
+    """``fully_shard.state(module)``, as torch's: the state registered for ``module`` by a
+    ``fully_shard`` call (a ``TorchStateView`` for raggedfsdp's, FSDP2's own for FSDP2's),
+    else None."""
+    key = _contract_key()
+    if key is None:
+        return None
+    state_key, func = key
+    return module.__dict__.get(state_key, {}).get(func)

@@ -472,6 +472,9 @@ def _pipeline_reduce_grad(model, rank):
     model.set_reshard_after_backward(True)
     model.set_requires_gradient_sync(True)
     state = torch_fsdp.fully_shard.state(model)
+    # the import switch keeps the lookup: raggedfsdp's fully_shard.state is torch's
+    assert raggedfsdp.fully_shard.state(model) is state is not None
+    assert raggedfsdp.fully_shard.state(nn.Linear(2, 2)) is None
     for s in state._state_ctx.all_states:
         for group in s._fsdp_param_groups:
             group.post_backward()
