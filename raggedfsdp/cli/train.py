@@ -38,12 +38,24 @@ class _ResumeFrom(argparse.Action):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``train`` command's parser: its argument groups in the order ``--help`` lists them."""
     p = argparse.ArgumentParser(
         prog="python -m raggedfsdp train",
         description="Train a catalogue model with fully sharded data parallelism on N ranks "
         "(NCCL on CUDA, gloo on the CPU), launched through torch.distributed.run.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
+    _add_model_args(p)
+    _add_launch_args(p)
+    _add_optimisation_args(p)
+    _add_shampoo_args(p)
+    _add_data_args(p)
+    _add_output_args(p)
+    return p
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    """Add "model and sharding": the model, the FSDP implementation, its layout, the mesh."""
     g = p.add_argument_group("model and sharding")
     g.add_argument(
         "--model",
@@ -95,6 +107,10 @@ def build_parser() -> argparse.ArgumentParser:
         "counts all W ranks) and shards them over the W / E others. tp with ep, and HSDP "
         "with ep, are not supported yet",
     )
+
+
+def _add_launch_args(p: argparse.ArgumentParser) -> None:
+    """Add "launch": the device, the ranks per machine, the machines, the collective timeout."""
     g = p.add_argument_group("launch")
     g.add_argument(
         "--device",
@@ -114,6 +130,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds a collective may wait for the other ranks before the job stops with "
         "a message naming it (a stopped or dead rank)",
     )
+
+
+def _add_optimisation_args(p: argparse.ArgumentParser) -> None:
+    """Add "optimisation": the optimizer, its schedule and clip, the steps, batch and seed."""
     g = p.add_argument_group("optimisation")
     g.add_argument("--optim", default="adamw", choices=OPTIMIZERS, help="optimizer")
     g.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
@@ -124,6 +144,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--batch-size", type=int, default=16, help="global batch (rows, all ranks)")
     g.add_argument("--seq-len", type=int, default=64, help="tokens per row")
     g.add_argument("--seed", type=int, default=0, help="init and data seed")
+
+
+def _add_shampoo_args(p: argparse.ArgumentParser) -> None:
+    """Add "shampoo": its blocks, preconditioning schedule, grafting and root dtype."""
     g = p.add_argument_group("shampoo (--optim shampoo)")
     g.add_argument("--shampoo-block-size", type=int, default=1024, help="a Shampoo block's columns")
     g.add_argument(
@@ -154,6 +178,10 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("float32", "float64"),
         help="dtype of the inverse roots' eigendecompositions",
     )
+
+
+def _add_data_args(p: argparse.ArgumentParser) -> None:
+    """Add "data": the training text, its tokenizer, how much to read, the validation."""
     g = p.add_argument_group("data")
     g.add_argument(
         "--data",
@@ -177,6 +205,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--val-every", type=int, default=50, help="validation every K steps (0: off)")
     g.add_argument("--val-batches", type=int, default=4, help="batches per validation")
+
+
+def _add_output_args(p: argparse.ArgumentParser) -> None:
+    """Add "output": the run folder, checkpoints, resuming, the job's length, progress, plot."""
     g = p.add_argument_group("output")
     g.add_argument("--out", default="out/train", help="directory for metrics, plots, checkpoints")
     g.add_argument("--ckpt-every", type=int, default=0, help="checkpoint every K steps (0: off)")
@@ -211,7 +243,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
     g.add_argument("--no-plot", action="store_true", help="no loss-curve PNG")
-    return p
 
 
 def main(argv: list[str], launch: Callable[[argparse.Namespace], int] | None = None) -> int:
