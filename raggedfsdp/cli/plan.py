@@ -176,123 +176,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     """
     replicate, world = _mesh_of(args)  # buffers are planned over one shard group
     _, itemsize = dtype_name_and_itemsize(args.dtype)
-    reduce_dtype = args.dtype if args.reduce_dtype is None else args.reduce_dtype
-    try:
-        reduce_dtype, reduce_itemsize = dtype_name_and_itemsize(reduce_dtype)
-    except ValueError as e:
-        raise ValueError(f"--reduce-dtype: {e}") from None
+    reduce_dtype, reduce_itemsize = _reduce_dtype_of(args)
     name, groups, source = _load(args.model)
-    kwargs = dict(
-        dtype=args.dtype, alignment_bytes=args.alignment_bytes, member_gaps=args.member_gaps
-    )
-    max_buffers = args.max_buffers
-    if max_buffers is None:
-        max_buffers = 1 if args.exact else DEFAULT_MAX_BUFFERS
-    if max_buffers < 1:
-        raise ValueError(f"--max-buffers must be >= 1, got {max_buffers}")
+    max_buffers = _max_buffers_of(args)
     specs = {g.name: g.specs(args.block_rows) for g in groups}
-    clear_plan_cache()  # time a cold plan
-    t0 = time.perf_counter()
-    plans = {
-        g.name: plan_buffers(specs[g.name], world, max_buffers=max_buffers, **kwargs)
-        for g in groups
-    }
-    plan_seconds = time.perf_counter() - t0
+    plans, plan_seconds = _plan_cold(groups, specs, world, max_buffers, args)
     buffers = {g.name: plans[g.name].layouts for g in groups}  # --exact improves these
     exact: dict[str, Any] = {}
     if args.exact and max_buffers == 1:
-        from raggedfsdp.planner.exact import plan_exact
-
-        seen: dict[tuple, tuple] = {}  # shapes -> (layout, proven, its names)
-        for g in groups:
-            key = tuple((s.shape, s.block_rows, s.stack) for s in specs[g.name])
-            if key not in seen:
-                layout, proven = plan_exact(
-                    specs[g.name],
-                    world,
-                    dtype=args.dtype,
-                    alignment_bytes=args.alignment_bytes,
-                    time_limit=args.time_limit,
-                )
-                seen[key] = (layout, proven, [s.name for s in specs[g.name]])
-            layout, proven, names = seen[key]
-            exact[g.name] = {"shard_size": layout.shard_size, "proven_optimal": proven}
-            if layout.shard_size < buffers[g.name][0].shard_size:
-                new_names = [s.name for s in specs[g.name]]
-                buffers[g.name] = (layout.renamed(dict(zip(names, new_names, strict=True))),)
+        exact = _exact_single(groups, specs, buffers, world, args)
     elif args.exact:
         exact = _exact_splits(groups, specs, plans, buffers, world, max_buffers, args)
-
-    def zero() -> dict[str, Any]:
-        return {
-            "groups": 0,
-            "params": 0,
-            "buffers": 0,
-            "padding": 0,
-            "lower_bound_padding": 0,
-            "single_buffer_padding": 0,
-            "single_buffer_lower_bound_padding": 0,
-            "shard_sizes": set(),
-            "fsdp2": PeerPadding(0, 0, 0),
-            "fsdp1": PeerPadding(0, 0, 0),
-            "zero3": PeerPadding(0, 0, 0),
-            **dict.fromkeys(BYTES, 0),
-        }
-
-    kinds: dict[str, dict[str, Any]] = defaultdict(zero)
-    for g in groups:
-        k = kinds[g.kind]
-        k["groups"] += 1
-        k["params"] += plans[g.name].total_numel
-        k["single_buffer_padding"] += plans[g.name].single.padding
-        k["single_buffer_lower_bound_padding"] += plans[g.name].single.lower_bound_padding
-        k["fsdp2"] += fsdp2_padding(specs[g.name], world)
-        k["fsdp1"] += fsdp1_padding(specs[g.name], world, args.dtype)
-        k["zero3"] += zero3_padding(specs[g.name], world)
-        for lay in buffers[g.name]:  # see [Note: multi-buffer groups]
-            k["buffers"] += 1
-            k["padding"] += lay.padding
-            k["lower_bound_padding"] += lay.lower_bound_padding
-            k["shard_sizes"].add(lay.shard_size)
-            # See [Note: HSDP in the plan]: per rank, per step.
-            k["shard_bytes"] += lay.shard_size * itemsize
-            k["all_gather_bytes"] += lay.global_size * itemsize
-            k["reduce_scatter_bytes"] += lay.global_size * reduce_itemsize
-            k["hsdp_all_reduce_bytes"] += lay.shard_size * reduce_itemsize if replicate > 1 else 0
-
-    def summary(k: dict[str, Any]) -> dict[str, Any]:
-        n = k["params"]
-        return {
-            "groups": k["groups"],
-            "params": n,
-            "buffers": k["buffers"],
-            # an all-gather in forward, one in backward, a reduce-scatter (+ HSDP all-reduce)
-            "collectives_per_step": k["buffers"] * (3 + (replicate > 1)),
-            "shard_sizes": sorted(k["shard_sizes"]),
-            "padding": k["padding"],
-            "padding_ratio": k["padding"] / n,
-            "lower_bound_padding": k["lower_bound_padding"],
-            "lower_bound_padding_ratio": k["lower_bound_padding"] / n,
-            "single_buffer_padding_ratio": k["single_buffer_padding"] / n,
-            "single_buffer_lower_bound_padding_ratio": k["single_buffer_lower_bound_padding"] / n,
-            **{f"{peer}_padding": k[peer].padding for peer in ("fsdp2", "fsdp1", "zero3")},
-            **{
-                f"{peer}_padding_ratio": k[peer].padding_ratio
-                for peer in ("fsdp2", "fsdp1", "zero3")
-            },
-            **{
-                f"{peer}_split_blocks": k[peer].split_blocks for peer in ("fsdp2", "fsdp1", "zero3")
-            },
-            **{key: k[key] for key in BYTES},
-        }
-
-    total = zero()
-    for k in kinds.values():
-        for key, value in k.items():
-            if key == "shard_sizes":
-                total[key] |= value
-            else:
-                total[key] += value
+    kinds = _tally_kinds(
+        groups, specs, plans, buffers, world, args.dtype, (itemsize, reduce_itemsize), replicate
+    )
     report = {
         "model": name,
         "source": source,
@@ -306,36 +203,184 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "alignment_bytes": args.alignment_bytes,
         "member_gaps": bool(args.member_gaps),
         "max_buffers": max_buffers,
-        **{k: v for k, v in summary(total).items() if k != "shard_sizes"},
+        **{k: v for k, v in _summary(_total(kinds), replicate).items() if k != "shard_sizes"},
         "split_blocks": 0,
         "plan_seconds": plan_seconds,
         "distinct_groups": len(
             {tuple((s.shape, s.block_rows, s.stack) for s in v) for v in specs.values()}
         ),
-        "kinds": {kind: summary(k) for kind, k in kinds.items()},
+        "kinds": {kind: _summary(k, replicate) for kind, k in kinds.items()},
     }
     if exact:
         report["exact"] = exact
     if args.png:
-        from raggedfsdp.cli.draw import draw_layout
-
-        gname = args.png_group or max(groups, key=lambda g: g.numel).name
-        if gname not in buffers:
-            raise ValueError(
-                f"--png-group {gname!r} is not a group of {name}; groups: "
-                f"{', '.join(list(buffers)[:6])}, ..."
-            )
-        drawn = max(buffers[gname], key=lambda lay: lay.total_numel)  # its largest buffer
-        which = "" if len(buffers[gname]) == 1 else f" (largest of {len(buffers[gname])} buffers)"
-        draw_layout(
-            drawn,
-            args.png,
-            title=f"{name} {gname}{which}: {drawn.describe()}"
-            + (f", each of {replicate} replicas" if args.mesh is not None else ""),
-            max_ranks=args.png_ranks,
-        )
-        report["png"] = {"file": args.png, "group": gname}
+        report["png"] = _draw_png(args, name, groups, buffers, replicate)
     return report
+
+
+def _reduce_dtype_of(args: argparse.Namespace) -> tuple[str, int]:
+    """The gradients' dtype name and itemsize: ``--reduce-dtype``, else ``--dtype``."""
+    reduce_dtype = args.dtype if args.reduce_dtype is None else args.reduce_dtype
+    try:
+        return dtype_name_and_itemsize(reduce_dtype)
+    except ValueError as e:
+        raise ValueError(f"--reduce-dtype: {e}") from None
+
+
+def _max_buffers_of(args: argparse.Namespace) -> int:
+    """``--max-buffers``, its default (1 with ``--exact``, else fully_shard's), checked."""
+    max_buffers = args.max_buffers
+    if max_buffers is None:
+        max_buffers = 1 if args.exact else DEFAULT_MAX_BUFFERS
+    if max_buffers < 1:
+        raise ValueError(f"--max-buffers must be >= 1, got {max_buffers}")
+    return max_buffers
+
+
+def _plan_cold(groups, specs, world: int, max_buffers: int, args) -> tuple[dict, float]:
+    """Plan every group from an empty plan cache; the plans and the seconds they took."""
+    clear_plan_cache()  # time a cold plan
+    t0 = time.perf_counter()
+    plans = {
+        g.name: plan_buffers(
+            specs[g.name],
+            world,
+            max_buffers=max_buffers,
+            dtype=args.dtype,
+            alignment_bytes=args.alignment_bytes,
+            member_gaps=args.member_gaps,
+        )
+        for g in groups
+    }
+    return plans, time.perf_counter() - t0
+
+
+def _exact_single(groups, specs, buffers, world: int, args) -> dict[str, Any]:
+    """``--exact``, one buffer a group: HiGHS on each distinct group, kept where smaller."""
+    from raggedfsdp.planner.exact import plan_exact
+
+    seen: dict[tuple, tuple] = {}  # shapes -> (layout, proven, its names)
+    exact: dict[str, Any] = {}
+    for g in groups:
+        key = tuple((s.shape, s.block_rows, s.stack) for s in specs[g.name])
+        if key not in seen:
+            layout, proven = plan_exact(
+                specs[g.name],
+                world,
+                dtype=args.dtype,
+                alignment_bytes=args.alignment_bytes,
+                time_limit=args.time_limit,
+            )
+            seen[key] = (layout, proven, [s.name for s in specs[g.name]])
+        layout, proven, names = seen[key]
+        exact[g.name] = {"shard_size": layout.shard_size, "proven_optimal": proven}
+        if layout.shard_size < buffers[g.name][0].shard_size:
+            new_names = [s.name for s in specs[g.name]]
+            buffers[g.name] = (layout.renamed(dict(zip(names, new_names, strict=True))),)
+    return exact
+
+
+def _zero_tally() -> dict[str, Any]:
+    """An empty tally of one kind of group (or of all): counts, paddings, peers', bytes."""
+    return {
+        "groups": 0,
+        "params": 0,
+        "buffers": 0,
+        "padding": 0,
+        "lower_bound_padding": 0,
+        "single_buffer_padding": 0,
+        "single_buffer_lower_bound_padding": 0,
+        "shard_sizes": set(),
+        "fsdp2": PeerPadding(0, 0, 0),
+        "fsdp1": PeerPadding(0, 0, 0),
+        "zero3": PeerPadding(0, 0, 0),
+        **dict.fromkeys(BYTES, 0),
+    }
+
+
+def _tally_kinds(
+    groups, specs, plans, buffers, world: int, dtype: str, itemsizes: tuple[int, int], replicate
+) -> dict[str, dict[str, Any]]:
+    """Each kind's tally: our ``buffers``, the peers' padding, the bytes per rank per step."""
+    itemsize, reduce_itemsize = itemsizes
+    kinds: dict[str, dict[str, Any]] = defaultdict(_zero_tally)
+    for g in groups:
+        k = kinds[g.kind]
+        k["groups"] += 1
+        k["params"] += plans[g.name].total_numel
+        k["single_buffer_padding"] += plans[g.name].single.padding
+        k["single_buffer_lower_bound_padding"] += plans[g.name].single.lower_bound_padding
+        k["fsdp2"] += fsdp2_padding(specs[g.name], world)
+        k["fsdp1"] += fsdp1_padding(specs[g.name], world, dtype)
+        k["zero3"] += zero3_padding(specs[g.name], world)
+        for lay in buffers[g.name]:  # see [Note: multi-buffer groups]
+            k["buffers"] += 1
+            k["padding"] += lay.padding
+            k["lower_bound_padding"] += lay.lower_bound_padding
+            k["shard_sizes"].add(lay.shard_size)
+            # See [Note: HSDP in the plan]: per rank, per step.
+            k["shard_bytes"] += lay.shard_size * itemsize
+            k["all_gather_bytes"] += lay.global_size * itemsize
+            k["reduce_scatter_bytes"] += lay.global_size * reduce_itemsize
+            k["hsdp_all_reduce_bytes"] += lay.shard_size * reduce_itemsize if replicate > 1 else 0
+    return kinds
+
+
+def _total(kinds: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The tally of all kinds together."""
+    total = _zero_tally()
+    for k in kinds.values():
+        for key, value in k.items():
+            if key == "shard_sizes":
+                total[key] |= value
+            else:
+                total[key] += value
+    return total
+
+
+def _summary(k: dict[str, Any], replicate: int) -> dict[str, Any]:
+    """A tally as the report gives it: counts, paddings and their ratios, peers', bytes."""
+    n = k["params"]
+    return {
+        "groups": k["groups"],
+        "params": n,
+        "buffers": k["buffers"],
+        # an all-gather in forward, one in backward, a reduce-scatter (+ HSDP all-reduce)
+        "collectives_per_step": k["buffers"] * (3 + (replicate > 1)),
+        "shard_sizes": sorted(k["shard_sizes"]),
+        "padding": k["padding"],
+        "padding_ratio": k["padding"] / n,
+        "lower_bound_padding": k["lower_bound_padding"],
+        "lower_bound_padding_ratio": k["lower_bound_padding"] / n,
+        "single_buffer_padding_ratio": k["single_buffer_padding"] / n,
+        "single_buffer_lower_bound_padding_ratio": k["single_buffer_lower_bound_padding"] / n,
+        **{f"{peer}_padding": k[peer].padding for peer in ("fsdp2", "fsdp1", "zero3")},
+        **{f"{peer}_padding_ratio": k[peer].padding_ratio for peer in ("fsdp2", "fsdp1", "zero3")},
+        **{f"{peer}_split_blocks": k[peer].split_blocks for peer in ("fsdp2", "fsdp1", "zero3")},
+        **{key: k[key] for key in BYTES},
+    }
+
+
+def _draw_png(args, name: str, groups, buffers, replicate: int) -> dict[str, str]:
+    """Draw ``--png-group``'s (default: the largest) largest buffer; the report's ``png``."""
+    from raggedfsdp.cli.draw import draw_layout
+
+    gname = args.png_group or max(groups, key=lambda g: g.numel).name
+    if gname not in buffers:
+        raise ValueError(
+            f"--png-group {gname!r} is not a group of {name}; groups: "
+            f"{', '.join(list(buffers)[:6])}, ..."
+        )
+    drawn = max(buffers[gname], key=lambda lay: lay.total_numel)  # its largest buffer
+    which = "" if len(buffers[gname]) == 1 else f" (largest of {len(buffers[gname])} buffers)"
+    draw_layout(
+        drawn,
+        args.png,
+        title=f"{name} {gname}{which}: {drawn.describe()}"
+        + (f", each of {replicate} replicas" if args.mesh is not None else ""),
+        max_ranks=args.png_ranks,
+    )
+    return {"file": args.png, "group": gname}
 
 
 def _fmt_elems(n: int) -> str:
