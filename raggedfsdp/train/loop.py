@@ -28,6 +28,7 @@ import statistics
 import sys
 import time
 import warnings
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
@@ -43,7 +44,7 @@ from raggedfsdp.models.parallelize import build_mesh, parallelize
 from raggedfsdp.models.transformer import Transformer, lm_loss
 from raggedfsdp.tools.profiling import measure_step
 from raggedfsdp.train.checks import MeshSpec, parse_train_mesh
-from raggedfsdp.train.data import DataConfig, get_batch, load_corpus
+from raggedfsdp.train.data import DataConfig, TextCorpus, get_batch, load_corpus
 from raggedfsdp.train.devices import backend_for, rank_device
 from raggedfsdp.train.guard import (
     ARGS_ENV,
@@ -289,11 +290,43 @@ def _diverged(step: int, loss: float, grads_bad: bool, ckpt_root: Path) -> Train
     )
 
 
+@dataclass
+class _Rank:
+    """What every phase of this rank's training reads: the arguments, its place, its model."""
+
+    args: argparse.Namespace
+    where: Where
+    device: torch.device
+    rank: int
+    world: int
+    spec: MeshSpec
+    corpus: TextCorpus
+    model: nn.Module
+    split: dict[str, tuple]  # _shard's {fqn: (shape, ranks)}
+    opt: torch.optim.Optimizer
+    sched: torch.optim.lr_scheduler.LambdaLR
+    shampoo_mode: str | None
+    out: Path
+    ckpt_root: Path
+
+
 def _train(args, where: Where, device: torch.device) -> int:
+    """This rank's job: set up, resume, train its steps, then measure and summarise; 0."""
+    run = _set_up(args, where, device)
+    start = _resume(run) if args.resume else 0
+    log = MetricsLog(run.out / METRICS, append=args.resume) if run.rank == 0 else None
+    end = min(args.steps, start + args.stop_after) if args.stop_after else args.steps
+    times, loss = _train_steps(run, start, end, log)
+    _finish(run, end, times, loss, log)
+    dist.destroy_process_group()
+    return 0
+
+
+def _set_up(args, where: Where, device: torch.device) -> _Rank:
+    """This rank's mesh, data, sharded model, optimizer and learning-rate schedule."""
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1)
     out = Path(args.out)
-    ckpt_root = out / CKPT
     spec = parse_train_mesh(args.mesh, world)  # checked by the launcher
     mesh = build_mesh(spec, device.type)
     # HSDP's collectives cross both mesh dims: name every rank's group on a timeout
@@ -301,6 +334,33 @@ def _train(args, where: Where, device: torch.device) -> int:
     corpus = load_corpus(
         DataConfig(path=args.data, max_bytes=args.max_bytes, tokenizer=args.tokenizer)
     )
+    model, split = _build_model(args, spec, mesh, device)
+    where.watch(model)
+    opt = _optimizer(model, args)
+    shampoo_mode = _shampoo_mode(opt)
+    if rank == 0 and shampoo_mode is not None:
+        print(f"train: --optim shampoo in the {shampoo_mode} mode ({SHAMPOO_MODES[shampoo_mode]})")
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(args))
+    return _Rank(
+        args=args,
+        where=where,
+        device=device,
+        rank=rank,
+        world=world,
+        spec=spec,
+        corpus=corpus,
+        model=model,
+        split=split,
+        opt=opt,
+        sched=sched,
+        shampoo_mode=shampoo_mode,
+        out=out,
+        ckpt_root=out / CKPT,
+    )
+
+
+def _build_model(args, spec: MeshSpec, mesh, device: torch.device) -> tuple[nn.Module, dict]:
+    """The model of ``--model`` on ``device``, sharded; with ``_shard``'s split."""
     if is_hf_model(args.model):
         # Built on meta and sharded, then each rank reads its own rows of the weights (or
         # draws a seeded init; on --resume the checkpoint fills it): raggedfsdp.models.hf
@@ -312,76 +372,87 @@ def _train(args, where: Where, device: torch.device) -> int:
         model = Transformer(get_config(args.model), max_seq_len=args.seq_len, seed=args.seed)
         model.to(device)  # built on the CPU (the seed's values on any device), trained here
         split = _shard(model, args, spec, mesh)
-    where.watch(model)
-    opt = _optimizer(model, args)
-    shampoo_mode = _shampoo_mode(opt)
-    if rank == 0 and shampoo_mode is not None:
-        print(f"train: --optim shampoo in the {shampoo_mode} mode ({SHAMPOO_MODES[shampoo_mode]})")
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_lambda(args))
+    return model, split
+
+
+def _resume(run: _Rank) -> int:
+    """Load the checkpoint to resume, catch the schedule up, trim the metrics; the next step."""
     from raggedfsdp import checkpoint as ckpt
 
-    start = 0
-    if args.resume:
-        where.at("loading the checkpoint")
-        # --resume-from names its checkpoint; --resume loads the newest (both checked
-        # complete and intact by the launcher)
-        source = args.resume_from or ckpt_root
-        try:
-            start, _ = ckpt.load(source, model, opt)
-        except Exception as err:
-            raise _checkpoint_error(err, f"--resume: the checkpoint in '{source}'") from err
-        with warnings.catch_warnings():  # the schedule catches up: no optimizer step is due
-            warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step", UserWarning)
-            for _ in range(start):
-                sched.step()
-    if rank == 0 and args.resume:
-        trim_metrics(out / METRICS, start)
+    run.where.at("loading the checkpoint")
+    # --resume-from names its checkpoint; --resume loads the newest (both checked
+    # complete and intact by the launcher)
+    source = run.args.resume_from or run.ckpt_root
+    try:
+        start, _ = ckpt.load(source, run.model, run.opt)
+    except Exception as err:
+        raise _checkpoint_error(err, f"--resume: the checkpoint in '{source}'") from err
+    with warnings.catch_warnings():  # the schedule catches up: no optimizer step is due
+        warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step", UserWarning)
+        for _ in range(start):
+            run.sched.step()
+    if run.rank == 0:
+        trim_metrics(run.out / METRICS, start)
+    return start
 
-    def batch(step, split="train"):
-        data = corpus.train if split == "train" else corpus.val
-        return _on(
-            device,
-            get_batch(
-                data,
-                seed=args.seed if split == "train" else args.seed + 1,
-                step=step,
-                batch_size=args.batch_size,
-                seq_len=args.seq_len,
-                rank=spec.data_rank(rank),  # tp ranks share their data rank's rows
-                world_size=spec.data_ranks,
-            ),
-        )
 
-    def one_step(step, after: str | None = None):
-        # after: a step measured after training (its batch is step's), named by it
-        def at(phase):
-            if after is None:
-                where.at(phase, step)
-            else:
-                where.at(f"{after}, a measured step's {phase}")
+def _batch(run: _Rank, step: int, split: str = "train") -> tuple[torch.Tensor, ...]:
+    """This rank's rows of ``step``'s batch of the ``split`` data, on its device."""
+    args = run.args
+    data = run.corpus.train if split == "train" else run.corpus.val
+    return _on(
+        run.device,
+        get_batch(
+            data,
+            seed=args.seed if split == "train" else args.seed + 1,
+            step=step,
+            batch_size=args.batch_size,
+            seq_len=args.seq_len,
+            rank=run.spec.data_rank(run.rank),  # tp ranks share their data rank's rows
+            world_size=run.spec.data_ranks,
+        ),
+    )
 
-        at("forward")
-        x, y = batch(step)
-        loss = lm_loss(logits_of(model(x)), y)
-        at("backward (gradient reduce-scatter)")
-        loss.backward()
-        finite = _grads_finite(model, loss.device)
-        at("gradient clipping (norm all-reduce)")
-        _clip(model, args, spec)
-        at("optimizer step")
-        opt.step()
-        opt.zero_grad()
-        sched.step()
-        return loss.detach(), finite
 
+def _one_step(run: _Rank, step: int, after: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Train on ``step``'s batch; its loss (detached) and whether this rank's grads were finite."""
+
+    # after: a step measured after training (its batch is step's), named by it
+    def at(phase):
+        if after is None:
+            run.where.at(phase, step)
+        else:
+            run.where.at(f"{after}, a measured step's {phase}")
+
+    at("forward")
+    x, y = _batch(run, step)
+    loss = lm_loss(logits_of(run.model(x)), y)
+    at("backward (gradient reduce-scatter)")
+    loss.backward()
+    finite = _grads_finite(run.model, loss.device)
+    at("gradient clipping (norm all-reduce)")
+    _clip(run.model, run.args, run.spec)
+    at("optimizer step")
+    run.opt.step()
+    run.opt.zero_grad()
+    run.sched.step()
+    return loss.detach(), finite
+
+
+def _mean(value: torch.Tensor, world: int) -> float:
+    """The mean of ``value`` over all ranks (the same over the data ranks; see below)."""
     # A mean over all ranks is the mean over the data ranks: the tp ranks of one data
     # rank hold the same loss, as many times each.
-    def mean(value: torch.Tensor) -> float:
-        value = value.clone()
-        dist.all_reduce(value)
-        return value.item() / world
+    value = value.clone()
+    dist.all_reduce(value)
+    return value.item() / world
 
-    log = MetricsLog(out / METRICS, append=args.resume) if rank == 0 else None
+
+def _train_steps(
+    run: _Rank, start: int, end: int, log: MetricsLog | None
+) -> tuple[list[float], float]:
+    """Train steps ``start`` to ``end - 1``, logged and checkpointed; their times, the last loss."""
+    args, rank = run.args, run.rank
     bar = None
     if rank == 0 and not args.no_progress:
         from tqdm import tqdm
@@ -390,52 +461,76 @@ def _train(args, where: Where, device: torch.device) -> int:
     tokens = args.batch_size * args.seq_len
     times = []
     loss = math.nan
-    end = min(args.steps, start + args.stop_after) if args.stop_after else args.steps
     for step in range(start, end):
         t0 = time.perf_counter()
-        local_loss, finite = one_step(step)
-        # See [Note: non-finite steps]: the flag rides in the loss all-reduce.
-        where.at("the loss all-reduce", step, group=dist.group.WORLD)
-        stats = torch.stack([local_loss.float(), (~finite).float()])
-        dist.all_reduce(stats)
-        loss_sum, bad = stats.tolist()
-        loss = loss_sum / world
+        local_loss, finite = _one_step(run, step)
+        loss, bad = _step_loss(run, step, local_loss, finite)
         dt = time.perf_counter() - t0
         times.append(dt)
-        record = {"step": step, "loss": loss, "lr": sched.get_last_lr()[0], "step_time": dt}
+        record = {"step": step, "loss": loss, "lr": run.sched.get_last_lr()[0], "step_time": dt}
         record["tokens_per_s"] = tokens / dt
         if bad or not math.isfinite(loss):
             if rank == 0:
                 log.append(_finite_or_none({**record, "non_finite": True}))
                 log.close()
-            raise _diverged(step, loss, bool(bad), ckpt_root)
+            raise _diverged(step, loss, bad, run.ckpt_root)
         if args.val_every and ((step + 1) % args.val_every == 0 or step + 1 == args.steps):
-            where.at("validation forward", step)
-            with torch.no_grad():
-                vals = [
-                    lm_loss(logits_of(model(x)), y)
-                    for x, y in (batch(i, "val") for i in range(args.val_batches))
-                ]
-            where.at("the validation loss all-reduce", step, group=dist.group.WORLD)
-            record["val_loss"] = mean(torch.stack(vals).mean())
+            record["val_loss"] = _validation_loss(run, step)
         # The step's record is on disk before its checkpoint: a job killed right after the
         # save must not resume past a step it never logged.
         if rank == 0:
-            where.at(f"writing its record to {METRICS}", step)
+            run.where.at(f"writing its record to {METRICS}", step)
             log.append(_finite_or_none(record))
             if bar is not None:
                 bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens / dt:,.0f}")
                 bar.update(1)
         if args.ckpt_every and ((step + 1) % args.ckpt_every == 0 or step + 1 == end):
-            where.at("checkpoint save", step)
-            if rank == 0:
-                log.sync()  # the records of its steps are durable before the checkpoint
-            try:
-                ckpt.save(ckpt_root, model, opt, step=step + 1, keep_last=args.keep_last)
-            except Exception as err:
-                raise _checkpoint_error(err, f"step {step}: the checkpoint was not saved") from err
+            _save_checkpoint(run, step, log)
     if bar is not None:
         bar.close()
+    return times, loss
+
+
+def _step_loss(
+    run: _Rank, step: int, local_loss: torch.Tensor, finite: torch.Tensor
+) -> tuple[float, bool]:
+    """The step's loss, averaged over the ranks, and whether any rank's was not finite."""
+    # See [Note: non-finite steps]: the flag rides in the loss all-reduce.
+    run.where.at("the loss all-reduce", step, group=dist.group.WORLD)
+    stats = torch.stack([local_loss.float(), (~finite).float()])
+    dist.all_reduce(stats)
+    loss_sum, bad = stats.tolist()
+    return loss_sum / run.world, bool(bad)
+
+
+def _validation_loss(run: _Rank, step: int) -> float:
+    """The loss on ``--val-batches`` validation batches after ``step``, over all ranks."""
+    run.where.at("validation forward", step)
+    with torch.no_grad():
+        vals = [
+            lm_loss(logits_of(run.model(x)), y)
+            for x, y in (_batch(run, i, "val") for i in range(run.args.val_batches))
+        ]
+    run.where.at("the validation loss all-reduce", step, group=dist.group.WORLD)
+    return _mean(torch.stack(vals).mean(), run.world)
+
+
+def _save_checkpoint(run: _Rank, step: int, log: MetricsLog | None) -> None:
+    """Save the state after ``step`` (its records durable first), keeping ``--keep-last``."""
+    from raggedfsdp import checkpoint as ckpt
+
+    run.where.at("checkpoint save", step)
+    if run.rank == 0:
+        log.sync()  # the records of its steps are durable before the checkpoint
+    try:
+        ckpt.save(run.ckpt_root, run.model, run.opt, step=step + 1, keep_last=run.args.keep_last)
+    except Exception as err:
+        raise _checkpoint_error(err, f"step {step}: the checkpoint was not saved") from err
+
+
+def _finish(run: _Rank, end: int, times: list[float], loss: float, log: MetricsLog | None) -> None:
+    """Measure a step after training; rank 0 writes summary.json and loss.png."""
+    args, device = run.args, run.device
     # The training steps' peak (the extra measured steps below track memory themselves).
     reserved = torch.accelerator.max_memory_reserved(device) if device.type != "cpu" else None
     # Extra steps after training, counted (comms, copies) and tracked (memory): the
@@ -443,45 +538,50 @@ def _train(args, where: Where, device: torch.device) -> int:
     # first, so the measured one starts where a training step does (after a backward,
     # not after the no-grad validation forward, which leaves FSDP2's root unsharded).
     after = f"after step {end - 1} (the job's last)"
-    one_step(args.steps, after)
-    where.at(f"{after}, measuring a step")
-    measured = measure_step(model, lambda: one_step(args.steps + 1, after), args.backend)
+    _one_step(run, args.steps, after)
+    run.where.at(f"{after}, measuring a step")
+    measured = measure_step(run.model, lambda: _one_step(run, args.steps + 1, after), args.backend)
     measured["max_memory_reserved_bytes"] = reserved  # None on the CPU
-    steady = times[min(5, len(times) - 1) :] or times
-    summary = {
-        "backend": args.backend,
-        "model": args.model,
-        "world": world,
-        "device": device.type,
-        "process_group_backend": dist.get_backend(),
-        "mesh": spec.text,
-        "mesh_dims": spec.dims,
-        "optim": args.optim,
-        **({"shampoo_mode": shampoo_mode} if shampoo_mode is not None else {}),
-        "steps": args.steps,
-        "median_step_s": statistics.median(steady),
-        "tokens_per_s": tokens / statistics.median(steady),
-        **layout_figures(model, args.backend, split),
-        "final_loss": loss,
-        **measured,
-    }
-    where.at(f"{after}, gathering the summary", group=dist.group.WORLD)
-    gathered = [None] * world
+    summary = _summary(run, times, loss, measured)
+    run.where.at(f"{after}, gathering the summary", group=dist.group.WORLD)
+    gathered = [None] * run.world
     dist.all_gather_object(gathered, measured)
-    if rank == 0:
+    if run.rank == 0:
         summary["peak_memory_bytes_max_rank"] = max(g.get("peak_memory_bytes", 0) for g in gathered)
         if reserved is not None:
             summary["max_memory_reserved_bytes_max_rank"] = max(
                 g["max_memory_reserved_bytes"] for g in gathered
             )
-        where.at(f"{after}, writing summary.json")
-        write_atomic(out / "summary.json", _dumps(summary, indent=1))
+        run.where.at(f"{after}, writing summary.json")
+        write_atomic(run.out / "summary.json", _dumps(summary, indent=1))
         log.close()
         if not args.no_plot:
-            where.at(f"{after}, plotting loss.png")
-            plot_losses({args.backend: out / METRICS}, out / "loss.png", args.model)
-    dist.destroy_process_group()
-    return 0
+            run.where.at(f"{after}, plotting loss.png")
+            plot_losses({args.backend: run.out / METRICS}, run.out / "loss.png", args.model)
+
+
+def _summary(run: _Rank, times: list[float], loss: float, measured: dict) -> dict:
+    """This rank's summary.json: the run, its steady step time, its layout, the measured step."""
+    args = run.args
+    tokens = args.batch_size * args.seq_len
+    steady = times[min(5, len(times) - 1) :] or times
+    return {
+        "backend": args.backend,
+        "model": args.model,
+        "world": run.world,
+        "device": run.device.type,
+        "process_group_backend": dist.get_backend(),
+        "mesh": run.spec.text,
+        "mesh_dims": run.spec.dims,
+        "optim": args.optim,
+        **({"shampoo_mode": run.shampoo_mode} if run.shampoo_mode is not None else {}),
+        "steps": args.steps,
+        "median_step_s": statistics.median(steady),
+        "tokens_per_s": tokens / statistics.median(steady),
+        **layout_figures(run.model, args.backend, run.split),
+        "final_loss": loss,
+        **measured,
+    }
 
 
 def main() -> int:
