@@ -311,7 +311,7 @@ class _Rank:
 
 
 def _train(args, where: Where, device: torch.device) -> int:
-    """This rank's job: set up, resume, train the steps, measure one more, summarise; 0 when done."""
+    """This rank's job: set up, resume, train, measure a step and summarise; 0 when done."""
     run = _set_up(args, where, device)
     start = _resume(run) if args.resume else 0
     log = MetricsLog(run.out / METRICS, append=args.resume) if run.rank == 0 else None
