@@ -234,15 +234,21 @@ class FSDPState:
     def _lazy_init(self) -> None:
         self.is_root = True
         self.root = self
-        states = (state_of(m) for top in self.modules for m in top.modules())
-        self._states = WeakList(dict.fromkeys(s for s in states if s is not None))
+        name_of: dict[FSDPState, str] = {}  # each state, in module order: its first module's
+        for top in self.modules:
+            for name, m in top.named_modules():
+                if (s := state_of(m)) is not None:
+                    name_of.setdefault(s, name)
+        self._states = WeakList(name_of)
         for s in self._states:
             if s is not self:
-                if s.is_root:
+                if s.is_root:  # FSDP2's words first: see [Note: FSDP2's exception types]
                     raise RuntimeError(
-                        "fully_shard: a module that already ran forward as the root was nested "
-                        "under another fully_shard module; apply fully_shard bottom-up before "
-                        "the first forward"
+                        f"FSDP state has already been lazily initialized for {name_of[s]}\n"
+                        "FSDP requires running forward through the root module first "
+                        f"(fully_shard: {name_of[s]!r} ran forward before its root, so it "
+                        "initialized as a root of its own; run the first forward through the "
+                        "root module)"
                     )
                 s.is_root, s.root = False, self
         try:

@@ -9,7 +9,10 @@ microbatches accumulated without sync), then the root's
 ``_root_post_backward_final_callback()`` (wait, set the sharded gradients). A
 raggedfsdp module registers a ``TorchStateView`` under the key torch reads, which
 answers exactly those calls with raggedfsdp's own: ``FSDPState.reduce_held_grads`` and
-``FSDPState._final_callback``. Anything else read through it raises AttributeError,
+``FSDPState._final_callback``. It also answers what code (torch's own FSDP2 tests among
+it) reads to find the root: ``_lazy_init()`` (a no-op once initialized, as FSDP2's) and
+``_is_root``; a state has one view, so ``_state_ctx.all_states`` lists the views
+``fully_shard.state`` returns. Anything else read through it raises AttributeError,
 naming the attribute, as a missing attribute of FSDP2's state would.
 ``raggedfsdp.fully_shard.state(module)`` is the same lookup (``torch_state_of``), so code
 written against FSDP2's ``fully_shard.state`` reads the same view after the import
@@ -19,6 +22,7 @@ switch.
 from __future__ import annotations
 
 import importlib
+import weakref
 from typing import TYPE_CHECKING
 
 import torch.distributed.fsdp as torch_fsdp
@@ -31,10 +35,27 @@ __all__ = ["TorchStateView", "register_torch_state", "torch_state_of"]
 
 
 class TorchStateView:
-    """A raggedfsdp ``FSDPState`` as ``fully_shard.state(module)`` callers read FSDP2's."""
+    """A raggedfsdp ``FSDPState`` as ``fully_shard.state(module)`` callers read FSDP2's.
+    Holds its state weakly: the modules hold both (see [Note: freed without the garbage
+    collector] in ``_weak.py``)."""
 
     def __init__(self, state: FSDPState):
-        self._state = state
+        self._ref = weakref.ref(state)
+
+    @property
+    def _state(self) -> FSDPState:
+        state = self._ref()
+        if state is None:
+            raise RuntimeError("fully_shard.state: the module this state belonged to was freed")
+        return state
+
+    @property
+    def _is_root(self) -> bool | None:
+        return self._state.is_root
+
+    def _lazy_init(self) -> None:
+        if self._state.is_root is None:  # as FSDP2's: a no-op once initialized
+            self._state._lazy_init()
 
     @property
     def _state_ctx(self) -> _StateContext:
@@ -48,6 +69,17 @@ class TorchStateView:
         (self._state.root or self._state)._final_callback()
 
 
+# The one view of each live state (weak-keyed; a view holds its state weakly too).
+_VIEWS: weakref.WeakKeyDictionary[FSDPState, TorchStateView] = weakref.WeakKeyDictionary()
+
+
+def _view_of(state: FSDPState) -> TorchStateView:
+    view = _VIEWS.get(state)
+    if view is None:
+        view = _VIEWS[state] = TorchStateView(state)
+    return view
+
+
 class _StateContext:
     def __init__(self, state: FSDPState):
         self._state = state
@@ -55,7 +87,7 @@ class _StateContext:
     @property
     def all_states(self) -> list[TorchStateView]:
         root = self._state.root or self._state
-        return [TorchStateView(s) for s in (root._states or [root])]
+        return [_view_of(s) for s in (root._states or [root])]
 
 
 class _ParamGroupView:
@@ -79,7 +111,7 @@ def register_torch_state(module: nn.Module, state: FSDPState) -> None:
     key = _contract_key()
     if key is not None:
         state_key, func = key
-        module.__dict__.setdefault(state_key, {})[func] = TorchStateView(state)
+        module.__dict__.setdefault(state_key, {})[func] = _view_of(state)
 
 
 def torch_state_of(module: nn.Module):

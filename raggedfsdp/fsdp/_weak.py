@@ -7,7 +7,8 @@ group holds its ``DBuffer`` storages, its ``ParamRef`` records and their paramet
 Every reference back up is weak: a sharded parameter to its group (``OWNER_ATTR``), a
 ``BufferView`` to its group, a record to the modules that hold its parameter, a state
 to its modules and to its root, the root's lists of states (which hold the root
-itself), and the hooks a group or state registers on tensors and modules. So the
+itself), the hooks a group or state registers on tensors and modules, and the view of a
+state that torch's ``fully_shard.state`` reads. So the
 model holds no reference cycle, and its storages go the moment its last reference
 does, as a plain module's do: not at the garbage collector's next pass, which a
 process that builds models in a loop (or disables the collector) would wait for with

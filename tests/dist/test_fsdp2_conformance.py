@@ -11,6 +11,8 @@ with the same inputs and the same assertion for both:
   first forward), matched by the pattern torch's own tests use for FSDP2 (our message
   may add the fix after it); and ``set_all_reduce_hook(stream=)`` on the CPU, where FSDP2
   runs the hook with that stream current.
+- ``fully_shard.state(module)``: ``_lazy_init``, ``_is_root`` and the states in order, as
+  code written for FSDP2 reads them.
 - A composed ``(tp, dp)`` mesh after ``destroy_process_group`` and a new process group in
   the same process (torch reuses the group names): the new groups' ranks, not the old.
 """
@@ -179,6 +181,14 @@ def _shared_by_two_groups(fully_shard):
     return model
 
 
+def _child_ran_first(fully_shard):
+    model = nn.Sequential(_mlp(), _mlp())
+    for part in (model[0], model[1], model):
+        fully_shard(part)
+    model[0](torch.randn(2, 8))  # a child's forward first: it initializes as a root
+    return model
+
+
 def _error_cases(world):
     """(what, shard: fully_shard -> module, the forward's input or None, the moment,
     FSDP2's exception type, the pattern torch's tests match FSDP2's message with)."""
@@ -246,6 +256,15 @@ def _error_cases(world):
             r"FSDP group. For shared/tied parameters, use fully_shard\(\[module_a, module_b\]\)",
         ),
         (
+            "a child ran forward before its root",
+            _child_ran_first,
+            torch.randn(2, 8),
+            "forward",
+            RuntimeError,
+            "FSDP state has already been lazily initialized for 0\n"
+            "FSDP requires running forward through the root module first",
+        ),
+        (
             "set_all_reduce_hook(stream=) with HSDP",
             lambda fs: fs(
                 _mlp(),
@@ -285,6 +304,31 @@ def _check_hook_stream(rank, world):
         assert torch.cpu.current_stream() is not stream, name  # only while the hook ran
 
 
+def _check_state_lookup(rank, world):
+    """``fully_shard.state(module)`` as code written for FSDP2 reads it: ``_lazy_init()``
+    picks the root, ``_is_root`` says which, ``_state_ctx.all_states`` lists the states in
+    module order as the same objects ``fully_shard.state`` returns; a child initialized
+    first makes the root's ``_lazy_init()`` raise FSDP2's error."""
+    for name, fully_shard in BOTH.items():
+        model = nn.Sequential(_mlp(), _mlp())
+        for part in (model[0], model[1], model):
+            fully_shard(part)
+        root, first, second = (fully_shard.state(m) for m in (model, model[0], model[1]))
+        assert root._is_root is None, name  # not initialized before the first forward
+        root._lazy_init()
+        root._lazy_init()  # a no-op once initialized
+        assert (root._is_root, first._is_root, second._is_root) == (True, False, False), name
+        assert root._state_ctx.all_states == [root, first, second], name
+        model(torch.randn(2, 8)).sum().backward()  # trains after an explicit lazy init
+
+        model = nn.Sequential(_mlp(), _mlp())
+        for part in (model[0], model[1], model):
+            fully_shard(part)
+        fully_shard.state(model[0])._lazy_init()
+        with pytest.raises(RuntimeError, match="already been lazily initialized for 0\n"):
+            fully_shard.state(model)._lazy_init()
+
+
 def _grid(rank, world):
     cases = {
         "clip_grad_norm_ over FSDP x TP": partial(_check_clip, rank, world),
@@ -293,6 +337,7 @@ def _grid(rank, world):
     for what, shard, x, moment, error, pattern in _error_cases(world):
         cases[f"error: {what}"] = partial(_check_error, shard, x, moment, error, pattern)
     cases["set_all_reduce_hook(stream=) on the CPU"] = partial(_check_hook_stream, rank, world)
+    cases["fully_shard.state(module)"] = partial(_check_state_lookup, rank, world)
     run_cases(cases)
     dist.barrier()
 
