@@ -98,9 +98,14 @@ class _ParamGroupView:
         self._state.reduce_held_grads()
 
 
+# torch's own fully_shard, taken when raggedfsdp is imported: code that later rebinds
+# ``torch.distributed.fsdp.fully_shard`` to raggedfsdp's must not hide its state key.
+_TORCH_FULLY_SHARD = torch_fsdp.fully_shard
+
+
 def _contract_key():
     """The key torch's ``fully_shard.state`` looks a module's state up by, or None."""
-    func = getattr(torch_fsdp.fully_shard, "__wrapped__", None)
+    func = getattr(_TORCH_FULLY_SHARD, "__wrapped__", None)
     contract = importlib.import_module("torch.distributed._composable.contract")
     state_key = getattr(contract, "STATE_KEY", None)
     return None if func is None or state_key is None else (state_key, func)
