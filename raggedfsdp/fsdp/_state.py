@@ -232,6 +232,12 @@ class FSDPState:
 
     # ---- root -----------------------------------------------------------------------------
     def _lazy_init(self) -> None:
+        if len(self.modules) > 1:  # FSDP2's words first: see [Note: FSDP2's exception types]
+            raise RuntimeError(
+                f"FSDP requires a single root module but got {list(self.modules)} (fully_shard: "
+                "a list of modules is one group, never the root; fully_shard their common "
+                "parent too, and run forward through it)"
+            )
         self.is_root = True
         self.root = self
         name_of: dict[FSDPState, str] = {}  # each state, in module order: its first module's

@@ -265,6 +265,14 @@ def _error_cases(world):
             "FSDP requires running forward through the root module first",
         ),
         (
+            "a list of modules as the root",
+            lambda fs: (lambda m: (fs([m[0], m[1]]), m)[1])(nn.Sequential(_mlp(), _mlp())),
+            torch.randn(2, 8),
+            "forward",
+            RuntimeError,
+            "FSDP requires a single root module but got ",
+        ),
+        (
             "set_all_reduce_hook(stream=) with HSDP",
             lambda fs: fs(
                 _mlp(),
