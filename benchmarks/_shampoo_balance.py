@@ -58,6 +58,22 @@ from raggedfsdp.optim.shampoo import (
 from raggedfsdp.planner import DEFAULT_MAX_BUFFERS, TensorSpec, plan_buffers
 
 
+def _plan(g, world: int, policy):
+    """Group ``g`` planned as ``train`` plans it (bf16, up to the default number of buffers)
+    with ``policy``'s rows per block, and the buffer layout holding each tensor."""
+    specs = [
+        TensorSpec(
+            name=p.fqn,
+            shape=p.shape,
+            stack=p.stack,
+            block_rows=policy(p.fqn, nn.Parameter(torch.empty(p.shape, device="meta"))),
+        )
+        for p in g.params
+    ]
+    plan = plan_buffers(specs, world, dtype="bfloat16", max_buffers=DEFAULT_MAX_BUFFERS)
+    return plan, {q.name: lay for lay in plan.layouts for q in lay.tensors}
+
+
 def _is_shampoo(p) -> bool:
     return len(p.shape) in (2, 3) and default_use_muon(p.fqn, p)
 
@@ -73,16 +89,7 @@ def rank_costs(model: str, world: int, size: int, row_block: int) -> dict:
     for g in param_groups(get_config(model)):
         key = tuple((p.shape, p.stack) for p in g.params)
         if key not in cache:
-            rows_of = {
-                p.fqn: policy(p.fqn, nn.Parameter(torch.empty(p.shape, device="meta")))
-                for p in g.params
-            }
-            specs = [
-                TensorSpec(name=p.fqn, shape=p.shape, stack=p.stack, block_rows=rows_of[p.fqn])
-                for p in g.params
-            ]
-            plan = plan_buffers(specs, world, dtype="bfloat16", max_buffers=DEFAULT_MAX_BUFFERS)
-            layout_of = {q.name: lay for lay in plan.layouts for q in lay.tensors}
+            plan, layout_of = _plan(g, world, policy)
             group = [0.0] * world
             g_costs: Counter = Counter()
             g_cost = g_stats = g_numel = 0
@@ -164,17 +171,7 @@ def owner_costs(model: str, world: int, size: int) -> dict:
     for g in param_groups(get_config(model)):
         key = tuple((p.shape, p.stack) for p in g.params)
         if key not in cache:
-            specs = [
-                TensorSpec(
-                    name=p.fqn,
-                    shape=p.shape,
-                    stack=p.stack,
-                    block_rows=base(p.fqn, nn.Parameter(torch.empty(p.shape, device="meta"))),
-                )
-                for p in g.params
-            ]
-            plan = plan_buffers(specs, world, dtype="bfloat16", max_buffers=DEFAULT_MAX_BUFFERS)
-            layout_of = {q.name: lay for lay in plan.layouts for q in lay.tensors}
+            plan, layout_of = _plan(g, world, base)
             rows_of = []
             for p in g.params:
                 if not _is_shampoo(p):
@@ -226,17 +223,7 @@ def free_state(model: str, world: int, size: int, row_block: int) -> list[int]:
             state = [a + b for a, b in zip(state, cache[key])]
             continue
         group = [0] * world
-        specs = [
-            TensorSpec(
-                name=p.fqn,
-                shape=p.shape,
-                stack=p.stack,
-                block_rows=policy(p.fqn, nn.Parameter(torch.empty(p.shape, device="meta"))),
-            )
-            for p in g.params
-        ]
-        plan = plan_buffers(specs, world, dtype="bfloat16", max_buffers=DEFAULT_MAX_BUFFERS)
-        layout_of = {q.name: lay for lay in plan.layouts for q in lay.tensors}
+        plan, layout_of = _plan(g, world, policy)
         for p in g.params:
             if not _is_shampoo(p):
                 continue
