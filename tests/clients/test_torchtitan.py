@@ -77,7 +77,9 @@ the whole mesh and ``fully_shard`` gets ``dp_mesh_dims`` (torch 2.13's SPMD mesh
 configuration, ``compile``, runs on ``partial_dtensor`` (classic meshes): under
 ``full_dtensor``, FSDP2's compiled run fails in torch 2.13 itself ("expected all
 tensors_saved_with_vc_check to be Tensors", a ``DeviceMesh`` among the saved tensors of
-the checkpointed block), so there is no FSDP2 run to compare with. A checkpoint is resumed
+the checkpointed block), so there is no FSDP2 run to compare with;
+``test_compile_under_full_dtensor_fails_as_fsdp2`` runs it and checks raggedfsdp fails
+there with the same error. A checkpoint is resumed
 in new processes (a second spawn), as a user resumes: in one process torch's DTensor
 sharding cache hands the second trainer's parameters the first trainer's (equal) mesh
 object, which FSDP2 refuses ("Expected param's DTensor mesh to be the same mesh passed to
@@ -575,9 +577,9 @@ def test_losses_equal_fsdp2(name, assets, tmp_path):
         assert hooks["raggedfsdp"]["pre"] <= hooks["fsdp2"]["pre"], hooks
 
 
-def _default_backend(rank, world, tmp: str, argv: list[str], out: str) -> None:
-    """torchtitan with its default ``spmd_types`` backend, FSDP2 then raggedfsdp: rank 0
-    writes what each raised (type and message) to ``out``."""
+def _errors_of_both(rank, world, tmp: str, argv: list[str], out: str) -> None:
+    """torchtitan run with ``argv``, FSDP2 then raggedfsdp: rank 0 writes what each raised
+    (type and message, or None) to ``out``."""
     errors = {}
     for backend in ("fsdp2", "raggedfsdp"):
         try:
@@ -596,9 +598,24 @@ def test_default_backend_refused_as_fsdp2(assets, tmp_path):
     exception type and FSDP2's message (its own adds the fix)."""
     argv = [a if a != "full_dtensor" else "spmd_types" for a in _argv(*assets, *FP32)]
     out = tmp_path / "errors.json"
-    spawn(WORLD, _default_backend, str(tmp_path), argv, str(out), timeout=TIMEOUT)
+    spawn(WORLD, _errors_of_both, str(tmp_path), argv, str(out), timeout=TIMEOUT)
     errors = json.loads(out.read_text())
     fsdp2, ours = errors["fsdp2"], errors["raggedfsdp"]
     assert fsdp2 is not None and fsdp2[0] == "ValueError", errors
     assert ours is not None and ours[0] == fsdp2[0], errors
     assert ours[1].startswith(fsdp2[1].rstrip(".")), errors
+
+
+def test_compile_under_full_dtensor_fails_as_fsdp2(assets, tmp_path):
+    """Why ``compile`` runs on ``partial_dtensor``: compiled under ``full_dtensor``, torch
+    2.13 fails FSDP2's run itself (a ``DeviceMesh`` among the tensors the checkpointed block
+    saves). raggedfsdp fails at the same point with the same error: no FSDP2 run exists to
+    compare losses with, and raggedfsdp neither hides nor adds a failure there."""
+    argv = _argv(*assets, *FP32, "--compile.enable")  # full_dtensor: see _argv
+    out = tmp_path / "errors.json"
+    spawn(WORLD, _errors_of_both, str(tmp_path), argv, str(out), timeout=TIMEOUT)
+    errors = json.loads(out.read_text())
+    fsdp2, ours = errors["fsdp2"], errors["raggedfsdp"]
+    assert fsdp2 is not None and fsdp2[0] == "AssertionError", errors
+    assert "expected all tensors_saved_with_vc_check to be Tensors" in fsdp2[1], errors
+    assert ours == fsdp2, errors
