@@ -74,6 +74,22 @@ def _plan(g, world: int, policy):
     return plan, {q.name: lay for lay in plan.layouts for q in lay.tensors}
 
 
+def _blocks_on_ranks(params, layout_of: dict, size: int, row_block: int):
+    """Each Shampoo block of ``params`` and the rank holding its first element: the rank
+    that preconditions it in the communication-free mode, where blocks lie whole on one."""
+    for p in params:
+        if not _is_shampoo(p):
+            continue
+        members = p.shape[0] if len(p.shape) == 3 else 1
+        rows, cols = p.shape[-2], p.shape[-1]
+        layout = layout_of[p.fqn]
+        t = layout[p.fqn]
+        stride = t.member_stride if t.members == members else rows * cols
+        for b in blocks_of(members, rows, cols, size, row_block):
+            e, r0 = b[0], b[1]
+            yield b, (t.offset + e * stride + r0 * cols) // layout.shard_size
+
+
 def _is_shampoo(p) -> bool:
     return len(p.shape) in (2, 3) and default_use_muon(p.fqn, p)
 
@@ -92,23 +108,14 @@ def rank_costs(model: str, world: int, size: int, row_block: int) -> dict:
             plan, layout_of = _plan(g, world, policy)
             group = [0.0] * world
             g_costs: Counter = Counter()
-            g_cost = g_stats = g_numel = 0
-            for p in g.params:
-                if not _is_shampoo(p):
-                    continue
-                members = p.shape[0] if len(p.shape) == 3 else 1
-                rows, cols = p.shape[-2], p.shape[-1]
-                layout = layout_of[p.fqn]
-                t = layout[p.fqn]
-                g_numel += members * rows * cols
-                for b in blocks_of(members, rows, cols, size, row_block):
-                    e, r0, r1, c0, c1 = b
-                    stride = t.member_stride if t.members == members else rows * cols
-                    first = t.offset + e * stride + r0 * cols  # the block's first element
-                    group[first // layout.shard_size] += root_cost(b)
-                    g_costs[root_cost(b)] += 1
-                    g_cost += root_cost(b)
-                    g_stats += 2 * ((r1 - r0) ** 2 + (c1 - c0) ** 2)
+            g_cost = g_stats = 0
+            g_numel = sum(math.prod(p.shape) for p in g.params if _is_shampoo(p))
+            for b, rank in _blocks_on_ranks(g.params, layout_of, size, row_block):
+                _, r0, r1, c0, c1 = b
+                group[rank] += root_cost(b)
+                g_costs[root_cost(b)] += 1
+                g_cost += root_cost(b)
+                g_stats += 2 * ((r1 - r0) ** 2 + (c1 - c0) ** 2)
             cache[key] = (group, plan.padding, plan.total_numel, g_cost, g_stats, g_numel, g_costs)
         group, p_pad, p_total, g_cost, g_stats, g_numel, g_costs = cache[key]
         costs.update(g_costs)
@@ -224,18 +231,9 @@ def free_state(model: str, world: int, size: int, row_block: int) -> list[int]:
             continue
         group = [0] * world
         plan, layout_of = _plan(g, world, policy)
-        for p in g.params:
-            if not _is_shampoo(p):
-                continue
-            members = p.shape[0] if len(p.shape) == 3 else 1
-            rows, cols = p.shape[-2], p.shape[-1]
-            layout = layout_of[p.fqn]
-            t = layout[p.fqn]
-            stride = t.member_stride if t.members == members else rows * cols
-            for e, r0, r1, c0, c1 in blocks_of(members, rows, cols, size, row_block):
-                first = t.offset + e * stride + r0 * cols
-                m, n = r1 - r0, c1 - c0
-                group[first // layout.shard_size] += 2 * m * m + 2 * n * n + m * n
+        for (_, r0, r1, c0, c1), rank in _blocks_on_ranks(g.params, layout_of, size, row_block):
+            m, n = r1 - r0, c1 - c0
+            group[rank] += 2 * m * m + 2 * n * n + m * n
         cache[key] = group
         state = [a + b for a, b in zip(state, group)]
     return state
